@@ -41,7 +41,7 @@ def paged_block_attention_reference(q, k_new, v_new, k_pages, v_pages, page_tabl
     v_all = jnp.concatenate([v_prefix.astype(q.dtype), v_new.transpose(0, 2, 1, 3)], axis=2)
 
     qg = q.reshape(num_rows, chunk_len, num_kv_heads, group, head_dim)
-    scores = jnp.einsum("rtkgd,rksd->rkgts", qg, k_all, preferred_element_type=jnp.float32) * scale
+    scores = _einsum_f32("rtkgd,rksd->rkgts", qg, k_all) * scale
 
     prefix_visible = jnp.arange(width * block_size)[None, :] < prefix_len[:, None]  # [R, W*B]
     q_block = jnp.arange(chunk_len) // block_size
@@ -53,8 +53,17 @@ def paged_block_attention_reference(q, k_new, v_new, k_pages, v_pages, page_tabl
     )  # [R, T, S]
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("rkgts,rksd->rtkgd", probs.astype(v_all.dtype), v_all, preferred_element_type=jnp.float32)
+    out = _einsum_f32("rkgts,rksd->rtkgd", probs.astype(v_all.dtype), v_all)
     return out.reshape(num_rows, chunk_len, num_q_heads, head_dim).astype(q.dtype)
+
+
+def _einsum_f32(spec, a, b):
+    """einsum accumulating in float32. XLA:CPU cannot run a batched bf16 x bf16 -> f32 dot
+    ("Unsupported element type for DotThunk"), so on CPU low-precision operands are upcast first
+    (bf16 products are exact in f32, so the result is the same); GPUs keep the bf16 operands."""
+    if jax.default_backend() == "cpu" and (a.dtype != jnp.float32 or b.dtype != jnp.float32):
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -81,7 +90,7 @@ def paged_block_attention_reference(q, k_new, v_new, k_pages, v_pages, page_tabl
 
 def _attention_kernel(plen_ref, pt_ref, q_ref, kn_ref, vn_ref, kp_ref, vp_ref, *out_refs,
                       block_size, block_q, group, pages_per_tile, block_kc, kv_splits, chunk_len,
-                      num_q_tiles, qk_scale):
+                      num_q_tiles, width, qk_scale, upcast_dots):
     split_out = kv_splits > 1
     qi = pl.program_id(0) % num_q_tiles
     s = pl.program_id(2)
@@ -92,23 +101,28 @@ def _attention_kernel(plen_ref, pt_ref, q_ref, kn_ref, vn_ref, kp_ref, vp_ref, *
     q = q_ref[...].reshape(rows, head_dim)
     plen = plen_ref[0]
 
+    def dot(a, b):
+        if upcast_dots:  # interpret mode: XLA:CPU has no bf16 x bf16 -> f32 dot (products are exact in f32)
+            a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
     def update(carry, k, v, mask):
         m_prev, l_prev, acc = carry
-        sc = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * qk_scale
+        sc = dot(q, k.T) * qk_scale
         sc = jnp.where(mask, sc, -jnp.inf)
         m_new = jnp.maximum(m_prev, jnp.max(sc, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that have seen no key yet
         alpha = jnp.exp2(m_prev - m_safe)
         p = jnp.exp2(sc - m_safe[:, None])
         l_new = l_prev * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
         return m_new, l_new, acc
 
     carry = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
              jnp.zeros((rows, head_dim), jnp.float32))
 
     # --- the paged prefix: this split's share of the row's real tiles (an empty loop if none) ---
-    n_pages = plen // block_size
+    n_pages = jnp.minimum((plen + block_size - 1) // block_size, width)
     n_tiles = (n_pages + pages_per_tile - 1) // pages_per_tile
     tiles_per_split = (n_tiles + kv_splits - 1) // kv_splits
     t_lo = s * tiles_per_split
@@ -152,7 +166,10 @@ def _attention_kernel(plen_ref, pt_ref, q_ref, kn_ref, vn_ref, kp_ref, vp_ref, *
     m, l, acc = carry
     if split_out:
         o_ref, m_ref, l_ref = out_refs
-        o_ref[...] = acc.reshape(block_q, group, head_dim)
+        # Normalised partials in the output dtype (half the bytes of f32 in bf16); an empty split
+        # (l = 0) writes zeros and gets zero weight in the merge.
+        o = jnp.where(lax.broadcast_in_dim(l > 0, (rows, head_dim), (0,)), acc / l[:, None], 0.0)
+        o_ref[...] = o.reshape(block_q, group, head_dim).astype(o_ref.dtype)
         m_ref[...] = m.reshape(block_q, group)
         l_ref[...] = l.reshape(block_q, group)
     else:
@@ -247,7 +264,8 @@ def paged_block_attention(q, k_new, v_new, k_pages, v_pages, page_table, prefix_
 
     kernel = functools.partial(
         _attention_kernel, block_size=block_size, block_q=bq, group=gp, pages_per_tile=ppt, block_kc=bkc,
-        kv_splits=ks, chunk_len=chunk_len, num_q_tiles=nq, qk_scale=float(head_dim ** -0.5 * LOG2E))
+        kv_splits=ks, chunk_len=chunk_len, num_q_tiles=nq, width=width, qk_scale=float(head_dim ** -0.5 * LOG2E),
+        upcast_dots=bool(interpret) and q.dtype != jnp.float32)
 
     in_specs = [
         pl.BlockSpec((1,), lambda i, h, s: (i // nq,)),                                   # prefix_len
@@ -263,7 +281,7 @@ def paged_block_attention(q, k_new, v_new, k_pages, v_pages, page_table, prefix_
         out_shape = jax.ShapeDtypeStruct(o_shape, q.dtype)
         out_specs = pl.BlockSpec((None, bq, None, gp, dp), lambda i, h, s: (i // nq, i % nq, h, 0, 0))
     else:
-        out_shape = [jax.ShapeDtypeStruct((ks, *o_shape), jnp.float32),
+        out_shape = [jax.ShapeDtypeStruct((ks, *o_shape), q.dtype),
                      jax.ShapeDtypeStruct((ks, *o_shape[:-1]), jnp.float32),
                      jax.ShapeDtypeStruct((ks, *o_shape[:-1]), jnp.float32)]
         out_specs = [pl.BlockSpec((None, None, bq, None, gp, dp), lambda i, h, s: (s, i // nq, i % nq, h, 0, 0)),
@@ -289,14 +307,14 @@ def paged_block_attention(q, k_new, v_new, k_pages, v_pages, page_table, prefix_
 
 
 def merge_attention_splits(o, m, l):
-    """Combine split-K partials: ``o [S, ..., D]`` unnormalised, ``m, l [S, ...]`` (log2 domain)."""
+    """Combine split-K partials: ``o [S, ..., D]`` normalised per split, ``m, l [S, ...]`` (running
+    max in log2 units and sum of ``exp2(score - m)``). Returns float32 ``[..., D]``."""
     m_max = jnp.max(m, axis=0)
     # As jax's decode_attention: without the barrier XLA may fuse the combine into NaNs on the GPU.
     m_max = lax.optimization_barrier(m_max)
     m_safe = jnp.where(m_max == -jnp.inf, 0.0, m_max)
-    w = jnp.exp2(m - m_safe[None])
-    l_tot = jnp.sum(w * l, axis=0)
-    return jnp.sum(w[..., None] * o, axis=0) / l_tot[..., None]
+    w = jnp.exp2(m - m_safe[None]) * l  # each split's share of the total softmax mass
+    return jnp.sum(w[..., None] * o.astype(jnp.float32), axis=0) / jnp.sum(w, axis=0)[..., None]
 
 
 def get_attention_fn(backend: str = "auto", **tiles):

@@ -1,0 +1,107 @@
+"""The Pallas paged block attention kernel (interpret mode on CPU) against its plain-JAX reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.paged_block_attention import (
+    attention_tiles,
+    get_attention_fn,
+    paged_block_attention,
+    paged_block_attention_reference,
+)
+
+NUM_PAGES = 24
+reference = jax.jit(paged_block_attention_reference, static_argnames="block_size")  # one compile, not op by op
+
+
+def _inputs(*, block, chunk_blocks, q_heads, kv_heads, head_dim, dtype=jnp.float32, seed=0):
+    """Four rows: prefix 0, exactly one page, three pages, five pages (ragged). Page tables are out of
+    order and rows 2 and 3 share their first three pages; unused table slots point at random pages."""
+    rng = np.random.default_rng(seed)
+    rows, width, t = 4, 6, chunk_blocks * block
+    prefix = np.array([0, block, 3 * block, 5 * block], np.int32)
+    perm = rng.permutation(np.arange(1, NUM_PAGES))
+    table = np.stack([perm[0:6], perm[6:12], perm[12:18], perm[18:23].tolist() + [perm[0]]]).astype(np.int32)
+    table[3, :3] = table[2, :3]  # shared prefix pages (as the radix cache hands out)
+    assert len(set(table[3, :5])) == 5
+
+    def randn(*shape):
+        return jnp.asarray(rng.standard_normal(shape), dtype)
+
+    return (randn(rows, t, q_heads, head_dim), randn(rows, t, kv_heads, head_dim), randn(rows, t, kv_heads, head_dim),
+            randn(kv_heads, NUM_PAGES, block, head_dim), randn(kv_heads, NUM_PAGES, block, head_dim),
+            jnp.asarray(table), jnp.asarray(prefix))
+
+
+def _check(args, *, block, tol, **tiles):
+    ref = reference(*args, block_size=block)
+    out = paged_block_attention(*args, block_size=block, interpret=True, **tiles)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
+    assert err <= tol, err
+    return err
+
+
+# (block, chunk blocks, q heads, kv heads, head dim, tile overrides). block_k=16 with B=4 makes
+# several prefix tiles per row; explicit kv_splits exercise split-K (the auto value is 1 at these
+# sizes) including more splits than a row has tiles; block_q=8 with B=32 puts several query
+# tiles in one block.
+CASES = [
+    (4, 1, 2, 2, 16, dict(block_k=16)),                    # GQA 1, denoise, several prefix tiles
+    (4, 3, 4, 2, 16, dict(block_k=16, kv_splits=2)),       # GQA 2, prefill of 3 blocks, split-K
+    (4, 1, 8, 1, 16, dict(block_k=16, kv_splits=3)),       # GQA 8, more splits than short rows have tiles
+    (32, 1, 4, 2, 32, dict()),                             # GQA 2, denoise, default tiles
+    (32, 2, 16, 2, 16, dict(kv_splits=2)),                 # GQA 8, prefill, split-K
+    (32, 3, 4, 2, 16, dict(block_q=8, block_k=32)),        # GQA 2, query tiles smaller than a block
+]
+@pytest.mark.parametrize("block,chunk_blocks,q_heads,kv_heads,head_dim,tiles", CASES)
+def test_matches_reference_f32(block, chunk_blocks, q_heads, kv_heads, head_dim, tiles):
+    args = _inputs(block=block, chunk_blocks=chunk_blocks, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
+    _check(args, block=block, tol=2e-5, **tiles)
+
+
+def test_odd_head_dim_and_group_are_padded():
+    """Head dim 24 and 3 q heads per kv head are not powers of two: the wrapper pads them."""
+    args = _inputs(block=4, chunk_blocks=2, q_heads=6, kv_heads=2, head_dim=24, seed=3)
+    _check(args, block=4, tol=2e-5, block_k=16, kv_splits=2)
+
+
+def test_bf16():
+    args = _inputs(block=32, chunk_blocks=1, q_heads=4, kv_heads=2, head_dim=32, dtype=jnp.bfloat16, seed=1)
+    _check(args, block=32, tol=3e-2, kv_splits=2)
+
+
+def test_prefix_is_read_through_the_page_table_and_backends():
+    """Changing a page no row references changes nothing; changing a referenced one changes only the
+    rows that reference it. Also: the backend helper returns drop-in callables."""
+    block = 4
+    args = list(_inputs(block=block, chunk_blocks=1, q_heads=2, kv_heads=1, head_dim=16, seed=2))
+    fn = get_attention_fn("pallas_interpret", block_k=16)
+    base = fn(*args, block_size=block)
+    np.testing.assert_allclose(np.asarray(base), np.asarray(reference(*args, block_size=block)), atol=2e-5)
+    table, prefix = np.asarray(args[5]), np.asarray(args[6])
+    used = {int(p) for r in range(4) for p in table[r, : prefix[r] // block]}
+    unused = sorted(set(range(NUM_PAGES)) - used)[0]
+    k_pages = args[3]
+    args[3] = k_pages.at[:, unused].set(100.0)
+    np.testing.assert_array_equal(np.asarray(fn(*args, block_size=block)), np.asarray(base))
+    args[3] = k_pages.at[:, int(table[3, 4])].set(100.0)  # row 3's fifth page
+    changed = np.any(np.asarray(fn(*args, block_size=block)) != np.asarray(base), axis=(1, 2, 3))
+    assert changed.tolist() == [False, False, False, True]
+
+    assert get_attention_fn("xla") is paged_block_attention_reference
+    assert get_attention_fn("auto") is paged_block_attention_reference  # CPU: auto means XLA
+    with pytest.raises(ValueError):
+        get_attention_fn("cuda")
+
+
+def test_default_tiles_at_sdar_shapes():
+    """Documented defaults: one program per (row, kv head) holding the block x GQA group."""
+    t = attention_tiles(1, 32, 16, 8, 128, 128, block_size=32)
+    assert (t["block_q"], t["group_p"], t["pages_per_tile"], t["num_q_tiles"]) == (32, 2, 4, 1)
+    assert t["kv_splits"] == 16  # batch 1 splits its 4k-token page table over 16 programs per head
+    assert attention_tiles(64, 32, 16, 8, 128, 128, block_size=32)["kv_splits"] == 1
+    t = attention_tiles(1, 32, 32, 4, 128, 128, block_size=32)  # GQA 8: two q tiles of 16 tokens
+    assert (t["block_q"] * t["group_p"], t["num_q_tiles"]) == (128, 2)
