@@ -2,6 +2,16 @@
 
 The config is a frozen dataclass so it can be a static argument of ``jax.jit``: two engines on the
 same architecture share compiled executables.
+
+Three families share one config (and one forward implementation, switched by these fields):
+
+* ``qwen3`` -- dense SDAR / Qwen3 (``Qwen3ForCausalLM``, ``SDARForCausalLM``).
+* ``qwen3`` with experts -- SDAR-MoE / Qwen3-MoE (``Qwen3MoeForCausalLM``, ``SDARMoeForCausalLM``):
+  softmax router, top-k, optional ``norm_topk_prob``; dense layers from ``mlp_only_layers`` /
+  ``decoder_sparse_step``.
+* ``llada2`` -- LLaDA2.x (``LLaDA2MoeModelLM``, BailingMoE-v2 style): fused QKV, partial RoPE, dense
+  layers before ``first_k_dense_replace``, sigmoid/softmax router with selection-only expert bias,
+  group-limited top-k, routed scaling, shared experts, ``norm_head``.
 """
 
 from __future__ import annotations
@@ -11,10 +21,23 @@ import json
 import os
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "SDARForCausalLM")
-SUPPORTED_MODEL_TYPES = ("qwen3", "sdar")
+QWEN3_ARCHITECTURES = ("Qwen3ForCausalLM", "SDARForCausalLM", "Qwen3MoeForCausalLM", "SDARMoeForCausalLM")
+LLADA2_ARCHITECTURES = ("LLaDA2MoeModelLM",)
+SUPPORTED_ARCHITECTURES = QWEN3_ARCHITECTURES + LLADA2_ARCHITECTURES
+QWEN3_MODEL_TYPES = ("qwen3", "sdar", "qwen3_moe", "sdar_moe")
+LLADA2_MODEL_TYPES = ("llada2_moe", "bailing_moe", "bailing_moe_v2")
+SUPPORTED_MODEL_TYPES = QWEN3_MODEL_TYPES + LLADA2_MODEL_TYPES
 SUPPORTED_ROPE_TYPES = ("default", "linear")
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
 DEFAULT_SDAR_BLOCK_SIZE = 4
+DEFAULT_LLADA2_BLOCK_SIZE = 32
+
+# Architecture written when a config names only its model_type.
+_ARCH_FOR_MODEL_TYPE = {
+    "qwen3": "Qwen3ForCausalLM", "sdar": "SDARForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+    "sdar_moe": "SDARMoeForCausalLM", "llada2_moe": "LLaDA2MoeModelLM", "bailing_moe": "LLaDA2MoeModelLM",
+    "bailing_moe_v2": "LLaDA2MoeModelLM",
+}
 
 
 class ConfigError(ValueError):
@@ -25,7 +48,7 @@ class ConfigError(ValueError):
 class ModelConfig:
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int  # dense MLP width (dense layers of a MoE model too; 0 if there are none)
     num_layers: int
     num_heads: int
     num_kv_heads: int
@@ -34,7 +57,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling_factor: float = 1.0  # linear RoPE scaling: positions are divided by this
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v projection biases
     max_position_embeddings: int = 32768
     architecture: str = "Qwen3ForCausalLM"
     model_type: str = "qwen3"
@@ -42,6 +65,28 @@ class ModelConfig:
     mask_token_id: int | None = None
     block_size: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Attention variants (LLaDA2 / Bailing).
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * factor dims only
+    use_qk_norm: bool = True  # per-head RMSNorm on q and k
+    o_bias: bool = False  # output projection bias (Bailing ``use_bias``)
+    norm_head: bool = False  # LM head columns L2-normalised over the vocabulary at load
+    # Mixture of experts: layers listed in ``moe_layers`` have a sparse MLP, the others a dense one.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()
+    norm_topk_prob: bool = False  # renormalise the k selected weights to sum to one
+    moe_score_func: str = "softmax"  # "softmax" | "sigmoid" over the router logits
+    moe_expert_bias: bool = False  # per-expert bias added to the scores for SELECTION only
+    moe_n_group: int = 1  # experts split into this many groups ...
+    moe_topk_group: int = 1  # ... and a token chooses its experts inside its best this-many groups
+    routed_scaling_factor: float = 1.0  # multiplies the routed (not the shared) output
+    num_shared_experts: int = 0
+    shared_expert_intermediate_size: int = 0  # per shared expert; they run fused as one dense MLP
+    router_fp32: bool = False  # router weights kept and router logits computed in float32
+    # Structural edit tokens of LLaDA2.2 InDel checkpoints (JointThresholdInDel); None = not an InDel model.
+    delete_token_id: int | None = None
+    split_token_id: int | None = None
 
     @property
     def q_size(self) -> int:
@@ -51,13 +96,41 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def family(self) -> str:
+        """``"llada2"`` or ``"qwen3"`` (dense or MoE): which checkpoint naming and defaults apply."""
+        return "llada2" if self.architecture in LLADA2_ARCHITECTURES else "qwen3"
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+    @property
+    def shared_intermediate_total(self) -> int:
+        return self.num_shared_experts * self.shared_expert_intermediate_size
+
+    @property
+    def default_block_size(self) -> int:
+        return DEFAULT_LLADA2_BLOCK_SIZE if self.family == "llada2" else DEFAULT_SDAR_BLOCK_SIZE
+
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------------------------------
+    # config.json -> ModelConfig
+    # ------------------------------------------------------------------------------------------
 
     @classmethod
     def from_hf_dict(cls, hf: dict, source: str = "config.json") -> "ModelConfig":
         def need(key: str):
-            if key not in hf:
+            if hf.get(key) is None:
                 raise ConfigError(f"{source}: missing required field '{key}'")
             return hf[key]
 
@@ -73,7 +146,12 @@ class ModelConfig:
                 f"{source}: unknown model_type '{model_type}'; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         if arch is None:
-            arch = "SDARForCausalLM" if model_type == "sdar" else "Qwen3ForCausalLM"
+            arch = _ARCH_FOR_MODEL_TYPE[model_type]
+        if (arch in LLADA2_ARCHITECTURES) != (model_type in LLADA2_MODEL_TYPES):
+            raise ConfigError(f"{source}: architecture '{arch}' does not match model_type '{model_type}'")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{source}: unsupported hidden_act '{act}'; only 'silu' (SwiGLU) is supported")
 
         # transformers 5 writes rope_parameters; older configs write rope_theta + rope_scaling.
         rope = hf.get("rope_parameters") or {}
@@ -88,36 +166,40 @@ class ModelConfig:
 
         hidden = int(need("hidden_size"))
         heads = int(need("num_attention_heads"))
+        num_layers = int(need("num_hidden_layers"))
         head_dim = int(hf.get("head_dim") or hidden // heads)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
         block = hf.get("block_size", hf.get("dllm_block_size"))
         mask = hf.get("mask_token_id")
-        cfg = cls(
+
+        def opt_int(key):
+            return None if hf.get(key) is None else int(hf[key])
+
+        common = dict(
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or heads),
             head_dim=head_dim,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling_factor=factor,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", False)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
             architecture=arch,
             model_type=model_type,
             mask_token_id=None if mask is None else int(mask),
             block_size=None if block is None else int(block),
             eos_token_ids=eos_ids,
+            delete_token_id=opt_int("delete_token_id"),
+            split_token_id=opt_int("split_token_id"),
         )
-        if cfg.num_heads % cfg.num_kv_heads:
-            raise ConfigError(
-                f"{source}: num_attention_heads ({cfg.num_heads}) must be a multiple of "
-                f"num_key_value_heads ({cfg.num_kv_heads})"
-            )
+        if arch in LLADA2_ARCHITECTURES:
+            fields = _llada2_fields(hf, num_layers, head_dim, source)
+        else:
+            fields = _qwen3_fields(hf, num_layers, source)
+        cfg = cls(**common, **fields)
+        _validate(cfg, source)
         return cfg
 
     @classmethod
@@ -132,8 +214,12 @@ class ModelConfig:
             raise ConfigError(f"{path}: not valid JSON ({e})") from e
         return cls.from_hf_dict(hf, source=path)
 
+    # ------------------------------------------------------------------------------------------
+    # ModelConfig -> config.json
+    # ------------------------------------------------------------------------------------------
+
     def to_hf_dict(self) -> dict:
-        """A transformers-loadable Qwen3 config (plus the diffusion fields)."""
+        """A config.json for this model (transformers-loadable for the Qwen3 family), plus the diffusion fields."""
         d = {
             "architectures": [self.architecture],
             "model_type": self.model_type,
@@ -147,16 +233,168 @@ class ModelConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias,
             "max_position_embeddings": self.max_position_embeddings,
             "hidden_act": "silu",
         }
         if self.rope_scaling_factor != 1.0:
             d["rope_scaling"] = {"rope_type": "linear", "factor": self.rope_scaling_factor}
-        if self.mask_token_id is not None:
-            d["mask_token_id"] = self.mask_token_id
-        if self.block_size is not None:
-            d["block_size"] = self.block_size
+        if self.family == "llada2":
+            d.update(self._llada2_hf_fields())
+        else:
+            d["attention_bias"] = self.attention_bias
+            if self.num_experts:
+                d.update({
+                    "num_experts": self.num_experts,
+                    "num_experts_per_tok": self.num_experts_per_tok,
+                    "moe_intermediate_size": self.moe_intermediate_size,
+                    "norm_topk_prob": self.norm_topk_prob,
+                    "decoder_sparse_step": 1,
+                    "mlp_only_layers": [i for i in range(self.num_layers) if i not in self.moe_layers],
+                })
+        for key in ("mask_token_id", "block_size", "delete_token_id", "split_token_id"):
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
         if self.eos_token_ids:
             d["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
         return d
+
+    def _llada2_hf_fields(self) -> dict:
+        first_dense = min(self.moe_layers) if self.moe_layers else self.num_layers
+        if tuple(range(first_dense, self.num_layers)) != self.moe_layers:
+            raise ConfigError("LLaDA2 configs need the sparse layers to be a suffix (first_k_dense_replace)")
+        return {
+            "use_qkv_bias": self.attention_bias,
+            "use_bias": self.o_bias,
+            "use_qk_norm": self.use_qk_norm,
+            "use_rmsnorm": True,
+            "norm_head": self.norm_head,
+            "partial_rotary_factor": self.partial_rotary_factor,
+            "num_experts": self.num_experts or None,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "first_k_dense_replace": first_dense,
+            "norm_topk_prob": self.norm_topk_prob,
+            "score_function": self.moe_score_func,
+            "moe_router_enable_expert_bias": self.moe_expert_bias,
+            "n_group": self.moe_n_group,
+            "topk_group": self.moe_topk_group,
+            "routed_scaling_factor": self.routed_scaling_factor,
+            "num_shared_experts": self.num_shared_experts,
+            "moe_shared_expert_intermediate_size": self.shared_expert_intermediate_size,
+            "router_dtype": "fp32" if self.router_fp32 else None,
+        }
+
+
+def _qwen3_fields(hf: dict, num_layers: int, source: str) -> dict:
+    """Qwen3 / SDAR dense and Qwen3-MoE / SDAR-MoE fields (transformers' ``Qwen3MoeConfig`` semantics)."""
+    num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    moe_layers: tuple[int, ...] = ()
+    if num_experts and hf.get("model_type") in ("qwen3_moe", "sdar_moe"):
+        step = int(hf.get("decoder_sparse_step") or 1)
+        mlp_only = set(int(i) for i in (hf.get("mlp_only_layers") or []))
+        moe_layers = tuple(i for i in range(num_layers) if i not in mlp_only and (i + 1) % step == 0)
+    fields = dict(
+        intermediate_size=int(hf.get("intermediate_size") or 0),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        attention_bias=bool(hf.get("attention_bias", False)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+    )
+    if moe_layers:
+        fields.update(
+            num_experts=num_experts,
+            num_experts_per_tok=_need(hf, "num_experts_per_tok", source),
+            moe_intermediate_size=_need(hf, "moe_intermediate_size", source),
+            moe_layers=moe_layers,
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        )
+    return fields
+
+
+def _llada2_fields(hf: dict, num_layers: int, head_dim: int, source: str) -> dict:
+    """LLaDA2.x fields. Defaults are those of the checkpoints' own ``LLaDA2MoeConfig`` class, which is what
+    SGLang (trust_remote_code) sees when a key is absent from config.json."""
+    if hf.get("use_rmsnorm") is False:
+        raise ConfigError(f"{source}: use_rmsnorm=false (LayerNorm q/k norms) is not supported")
+    num_experts = int(hf.get("num_experts", 16) or 0)
+    first_dense = int(hf.get("first_k_dense_replace", 0) or 0)
+    moe_layers = tuple(range(first_dense, num_layers)) if num_experts else ()
+    if "partial_rotary_factor" in hf and hf["partial_rotary_factor"] is not None:
+        partial = float(hf["partial_rotary_factor"])
+    elif hf.get("rotary_dim"):
+        partial = float(hf["rotary_dim"]) / head_dim
+    else:
+        partial = 0.5
+    use_bias = bool(hf.get("use_bias", True))
+    n_group = int(hf.get("n_group", 8) or 0)
+    topk_group = int(hf.get("topk_group", 4) or 0)
+    if n_group <= 0 or topk_group <= 0:  # SGLang: grouping off unless both are positive
+        n_group = topk_group = 1
+    moe_size = int(hf.get("moe_intermediate_size") or 0)
+    num_shared = int(hf.get("num_shared_experts") or 0)
+    router_dtype = hf.get("router_dtype")
+    fields = dict(
+        intermediate_size=int(hf.get("intermediate_size") or 0),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+        attention_bias=use_bias or bool(hf.get("use_qkv_bias", False)),
+        o_bias=use_bias,
+        use_qk_norm=bool(hf.get("use_qk_norm", True)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 16384)),
+        partial_rotary_factor=partial,
+        norm_head=bool(hf.get("norm_head", False)),
+    )
+    if moe_layers:
+        score = hf.get("score_function") or "softmax"
+        if score not in SCORE_FUNCTIONS:
+            raise ConfigError(f"{source}: unknown score_function '{score}'; supported: {', '.join(SCORE_FUNCTIONS)}")
+        fields.update(
+            num_experts=num_experts,
+            num_experts_per_tok=int(hf.get("num_experts_per_tok", 2)),
+            moe_intermediate_size=moe_size,
+            moe_layers=moe_layers,
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            moe_score_func=score,
+            moe_expert_bias=bool(hf.get("moe_router_enable_expert_bias", False)),
+            moe_n_group=n_group,
+            moe_topk_group=topk_group,
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 2.5)),
+            num_shared_experts=num_shared,
+            shared_expert_intermediate_size=int(hf.get("moe_shared_expert_intermediate_size") or moe_size)
+            if num_shared else 0,
+            router_fp32=router_dtype in ("fp32", "float32"),
+        )
+    return fields
+
+
+def _need(hf: dict, key: str, source: str) -> int:
+    if hf.get(key) is None:
+        raise ConfigError(f"{source}: missing required field '{key}'")
+    return int(hf[key])
+
+
+def _validate(cfg: ModelConfig, source: str) -> None:
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ConfigError(
+            f"{source}: num_attention_heads ({cfg.num_heads}) must be a multiple of "
+            f"num_key_value_heads ({cfg.num_kv_heads})"
+        )
+    if len(cfg.moe_layers) < cfg.num_layers and cfg.intermediate_size <= 0:
+        raise ConfigError(f"{source}: missing required field 'intermediate_size' (the model has dense MLP layers)")
+    if cfg.rotary_dim % 2 or not 0 < cfg.rotary_dim <= cfg.head_dim:
+        raise ConfigError(f"{source}: partial_rotary_factor {cfg.partial_rotary_factor} gives rotary dim "
+                          f"{cfg.rotary_dim}; it must be even and in (0, head_dim={cfg.head_dim}]")
+    if not cfg.moe_layers:
+        return
+    if cfg.moe_intermediate_size <= 0:
+        raise ConfigError(f"{source}: missing required field 'moe_intermediate_size'")
+    if not 0 < cfg.num_experts_per_tok <= cfg.num_experts:
+        raise ConfigError(f"{source}: num_experts_per_tok ({cfg.num_experts_per_tok}) must be in "
+                          f"[1, num_experts={cfg.num_experts}]")
+    if cfg.num_experts % cfg.moe_n_group or not 0 < cfg.moe_topk_group <= cfg.moe_n_group:
+        raise ConfigError(f"{source}: n_group ({cfg.moe_n_group}) must divide num_experts ({cfg.num_experts}) and "
+                          f"topk_group ({cfg.moe_topk_group}) must be in [1, n_group]")
+    per_group = cfg.num_experts // cfg.moe_n_group
+    if cfg.num_experts_per_tok > cfg.moe_topk_group * per_group:
+        raise ConfigError(f"{source}: num_experts_per_tok ({cfg.num_experts_per_tok}) exceeds the experts in the "
+                          f"topk_group={cfg.moe_topk_group} selected groups ({cfg.moe_topk_group * per_group})")
+    if cfg.moe_n_group > 1 and cfg.moe_expert_bias and per_group < 2:
+        raise ConfigError(f"{source}: group scores sum each group's top two experts; groups need >= 2 experts")

@@ -1,4 +1,8 @@
-"""SDAR / Qwen3 dense decoder as pure functions over a parameter pytree.
+"""SDAR / Qwen3 decoder (dense or mixture-of-experts) and LLaDA2.x, as pure functions over a parameter pytree.
+
+One implementation serves all three families; :class:`ModelConfig` fields switch the variants (partial RoPE,
+q/k norm on or off, output-projection bias) and a layer whose pytree has an ``moe`` sub-dict runs the sparse
+MLP of :mod:`dllm_jax.model.moe` instead of the dense SwiGLU.
 
 Parameters are a plain dict pytree; matrices are stored ``[in, out]`` (HF stores ``[out, in]``; the
 loader transposes once). Layers are a list of dicts so that each layer's weights and KV pages are
@@ -23,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dllm_jax.config import ModelConfig
+from dllm_jax.model.moe import moe_mlp, swiglu
 
 Params = dict[str, Any]
 
@@ -32,26 +37,47 @@ Params = dict[str, Any]
 # ----------------------------------------------------------------------------------------------
 
 def param_shapes(cfg: ModelConfig) -> Params:
-    """Shapes of every parameter, in the pytree layout the model uses."""
+    """Shapes of every parameter, in the pytree layout the model uses.
+
+    A sparse layer holds ``moe``: ``router [H, E]``, optional ``expert_bias [E]``, experts stacked as
+    ``gate/up [E, H, I]`` and ``down [E, I, H]`` (the leading axis is the one an ``expert`` mesh axis shards),
+    and optional ``shared_gate/shared_up [H, S]``, ``shared_down [S, H]`` (all shared experts fused as one MLP).
+    A dense layer holds ``gate/up [H, I]``, ``down [I, H]``.
+    """
     h, d = cfg.hidden_size, cfg.head_dim
-    layer = {
+    attn = {
         "attn_norm": (h,),
         "q": (h, cfg.q_size),
         "k": (h, cfg.kv_size),
         "v": (h, cfg.kv_size),
         "o": (cfg.q_size, h),
-        "q_norm": (d,),
-        "k_norm": (d,),
         "mlp_norm": (h,),
-        "gate": (h, cfg.intermediate_size),
-        "up": (h, cfg.intermediate_size),
-        "down": (cfg.intermediate_size, h),
     }
+    if cfg.use_qk_norm:
+        attn.update({"q_norm": (d,), "k_norm": (d,)})
     if cfg.attention_bias:
-        layer.update({"q_bias": (cfg.q_size,), "k_bias": (cfg.kv_size,), "v_bias": (cfg.kv_size,)})
+        attn.update({"q_bias": (cfg.q_size,), "k_bias": (cfg.kv_size,), "v_bias": (cfg.kv_size,)})
+    if cfg.o_bias:
+        attn["o_bias"] = (h,)
+    layers = []
+    for i in range(cfg.num_layers):
+        layer = dict(attn)
+        if cfg.is_moe_layer(i):
+            e, m = cfg.num_experts, cfg.moe_intermediate_size
+            moe = {"router": (h, e), "gate": (e, h, m), "up": (e, h, m), "down": (e, m, h)}
+            if cfg.moe_expert_bias:
+                moe["expert_bias"] = (e,)
+            if cfg.num_shared_experts:
+                s = cfg.shared_intermediate_total
+                moe.update({"shared_gate": (h, s), "shared_up": (h, s), "shared_down": (s, h)})
+            layer["moe"] = moe
+        else:
+            layer.update({"gate": (h, cfg.intermediate_size), "up": (h, cfg.intermediate_size),
+                          "down": (cfg.intermediate_size, h)})
+        layers.append(layer)
     shapes: Params = {
         "embed": (cfg.vocab_size, h),
-        "layers": [dict(layer) for _ in range(cfg.num_layers)],
+        "layers": layers,
         "final_norm": (h,),
     }
     if not cfg.tie_word_embeddings:
@@ -59,21 +85,41 @@ def param_shapes(cfg: ModelConfig) -> Params:
     return shapes
 
 
-def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
-    """Random parameters (norm weights one, matrices N(0, std))."""
+def leaf_dtype(cfg: ModelConfig, key: str, dtype):
+    """Storage dtype of parameter ``key``: routing inputs that decide expert selection stay float32 (a bf16
+    expert bias or fp32-router weight would flip near-tied choices), everything else uses ``dtype``."""
+    if key == "expert_bias" or (key == "router" and cfg.router_fp32):
+        return jnp.float32
+    return dtype
+
+
+def param_dtypes(cfg: ModelConfig, dtype) -> Params:
+    """The pytree of :func:`param_shapes` with each leaf's storage dtype (see :func:`leaf_dtype`)."""
     shapes = param_shapes(cfg)
-    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
-        shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]
-    keys = jax.random.split(key, len(leaves))
+    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree.unflatten(treedef, [leaf_dtype(cfg, _last_key(p), dtype) for p, _ in flat])
+
+
+def _last_key(path) -> str:
+    last = path[-1]
+    return str(getattr(last, "key", getattr(last, "idx", last)))
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
+    """Random parameters (norm weights one, biases zero, matrices N(0, std))."""
+    shapes = param_shapes(cfg)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(key, len(flat))
     out = []
-    for path, shape, k in zip(paths, leaves, keys):
-        if "norm" in path:
-            out.append(jnp.ones(shape, dtype))
-        elif "bias" in path:
-            out.append(jnp.zeros(shape, dtype))
+    for (path, shape), k in zip(flat, keys):
+        name = _last_key(path)
+        leaf_type = leaf_dtype(cfg, name, dtype)
+        if "norm" in name:
+            out.append(jnp.ones(shape, leaf_type))
+        elif "bias" in name:
+            out.append(jnp.zeros(shape, leaf_type))
         else:
-            out.append((std * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
+            out.append((std * jax.random.normal(k, shape, jnp.float32)).astype(leaf_type))
     return jax.tree.unflatten(treedef, out)
 
 
@@ -93,18 +139,27 @@ def rms_norm(x, weight, eps):
 
 
 def rope(x, positions, cfg: ModelConfig):
-    """Rotary embedding over the full head dim (rotate-half layout, as Qwen3). x: [..., T, heads, D]."""
+    """Rotary embedding (rotate-half layout, as Qwen3 / Bailing). x: [..., T, heads, D].
+
+    With ``partial_rotary_factor < 1`` only the first ``rotary_dim`` dims rotate (frequencies computed over
+    ``rotary_dim``); the rest pass through unchanged.
+    """
     d = x.shape[-1]
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float32) / d))
+    rd = cfg.rotary_dim if cfg.rotary_dim else d
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, rd, 2, dtype=np.float32) / rd))
     pos = positions.astype(jnp.float32) / cfg.rope_scaling_factor
-    angles = pos[..., None] * inv_freq  # [..., T, D/2]
+    angles = pos[..., None] * inv_freq  # [..., T, rd/2]
     cos = jnp.cos(angles)[..., None, :]
     sin = jnp.sin(angles)[..., None, :]
     cos = jnp.concatenate([cos, cos], axis=-1)
     sin = jnp.concatenate([sin, sin], axis=-1)
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    xr = x[..., :rd]
+    x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
     rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+    out = (xr.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+    if rd == d:
+        return out
+    return jnp.concatenate([out, x[..., rd:]], axis=-1)
 
 
 def _qkv(layer, x, positions, cfg: ModelConfig):
@@ -118,14 +173,26 @@ def _qkv(layer, x, positions, cfg: ModelConfig):
     q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
     k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-    q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
-    k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+    if cfg.use_qk_norm:
+        q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
     return rope(q, positions, cfg), rope(k, positions, cfg), v
 
 
+def _out_proj(layer, attn):
+    """Attention output projection ``attn [..., Hq*D] -> [..., H]`` (with the Bailing ``dense`` bias if any)."""
+    out = attn @ layer["o"]
+    if "o_bias" in layer:
+        out = out + layer["o_bias"]
+    return out
+
+
 def _mlp(layer, x, cfg: ModelConfig):
+    """Post-attention norm then the layer's MLP: sparse when the layer has an ``moe`` sub-dict, else SwiGLU."""
     h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-    return (jax.nn.silu(h @ layer["gate"]) * (h @ layer["up"])) @ layer["down"]
+    if "moe" in layer:
+        return moe_mlp(layer["moe"], h, cfg)
+    return swiglu(h, layer["gate"], layer["up"], layer["down"])
 
 
 def logits_from_hidden(params: Params, hidden):
@@ -152,7 +219,7 @@ def forward_full(params: Params, cfg: ModelConfig, tokens, positions, attn_mask,
             probs = jax.nn.softmax(scores, axis=-1)
             probs = jnp.where(jnp.isnan(probs), 0.0, probs)  # fully masked query rows
             attn = jnp.einsum("nkgts,nskd->ntkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-            x = x + attn.reshape(n, s, cfg.q_size).astype(x.dtype) @ layer["o"]
+            x = x + _out_proj(layer, attn.reshape(n, s, cfg.q_size).astype(x.dtype))
         with jax.named_scope("mlp"):
             x = x + _mlp(layer, x, cfg)
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
@@ -193,7 +260,7 @@ def forward_chunk(params: Params, cfg: ModelConfig, tokens, kv_pages, page_table
             h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
             q, k, v = _qkv(layer, h, positions, cfg)
             attn = attention_fn(q, k, v, k_pool, v_pool, page_table, prefix_len, block_size=block_size)
-            x = x + attn.reshape(num_rows, chunk_len, cfg.q_size) @ layer["o"]
+            x = x + _out_proj(layer, attn.reshape(num_rows, chunk_len, cfg.q_size))
         with jax.named_scope("kv_write"):
             # [R, C*B, Hkv, D] -> [Hkv, R*C, B, D], scattered into the chunk's pages.
             def to_pages(t):

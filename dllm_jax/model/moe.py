@@ -1,0 +1,101 @@
+"""Sparse mixture-of-experts MLP: routing, then a grouped matmul over tokens sorted by expert.
+
+Routing (:func:`route`) covers the Qwen3-MoE and BailingMoE-v2 / LLaDA2 variants:
+
+1. scores = softmax or sigmoid of the router logits (float32);
+2. choice scores = scores (+ ``expert_bias``: the bias decides WHICH experts, never how much they weigh);
+3. group limit: experts form ``n_group`` groups; a group's score is the sum of its two best choice scores when
+   an expert bias is used (DeepSeek-V3 / Bailing-v2 convention), else its best score (DeepSeek-V2); only the
+   ``topk_group`` best groups stay eligible;
+4. top-k over the eligible choice scores;
+5. weights = the UNBIASED scores of the chosen experts, renormalised to sum one if ``norm_topk_prob``, times
+   ``routed_scaling_factor``.
+
+The experts (:func:`moe_mlp`) run without a Python loop over experts: the ``N * k`` (token, expert) pairs are
+sorted by expert and ``jax.lax.ragged_dot`` multiplies each contiguous group by its expert's weights. There is
+no capacity limit and nothing is dropped, so a token's output depends only on that token (not on what else is in
+the batch), and every shape is static (``N * k`` rows) under ``jit``. Shared experts, if any, run as one dense
+SwiGLU and are added unscaled.
+
+Expert weights are stacked ``[E, in, out]`` so a later ``expert`` mesh axis can shard their leading axis.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dllm_jax.config import ModelConfig
+
+
+def swiglu(x, gate, up, down):
+    """Dense SwiGLU MLP ``down(silu(x @ gate) * (x @ up))``."""
+    return (jax.nn.silu(x @ gate) * (x @ up)) @ down
+
+
+def router_logits(moe, x, cfg: ModelConfig):
+    """``[N, E]`` float32 router logits; computed in float32 when the checkpoint asks for an fp32 router."""
+    if cfg.router_fp32:
+        return jnp.dot(x.astype(jnp.float32), moe["router"].astype(jnp.float32),
+                       preferred_element_type=jnp.float32)
+    return jnp.dot(x, moe["router"].astype(x.dtype)).astype(jnp.float32)
+
+
+def route(logits, cfg: ModelConfig, expert_bias=None):
+    """Choose ``k`` experts per token. logits ``[N, E]`` float32 -> (expert ids ``[N, k]`` int32,
+    weights ``[N, k]`` float32). See the module docstring for the exact rule."""
+    num_tokens, num_experts = logits.shape
+    k = cfg.num_experts_per_tok
+    if cfg.moe_score_func == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        scores = jax.nn.softmax(logits, axis=-1)
+    choice = scores if expert_bias is None else scores + expert_bias.astype(jnp.float32)
+    if cfg.moe_n_group > 1 and cfg.moe_topk_group < cfg.moe_n_group:
+        grouped = choice.reshape(num_tokens, cfg.moe_n_group, num_experts // cfg.moe_n_group)
+        if expert_bias is not None:
+            group_score = jax.lax.top_k(grouped, 2)[0].sum(axis=-1)
+        else:
+            group_score = grouped.max(axis=-1)
+        _, best_groups = jax.lax.top_k(group_score, cfg.moe_topk_group)  # [N, topk_group]
+        keep = jnp.zeros((num_tokens, cfg.moe_n_group), bool).at[
+            jnp.arange(num_tokens)[:, None], best_groups].set(True)
+        keep = jnp.repeat(keep, num_experts // cfg.moe_n_group, axis=1)
+        choice = jnp.where(keep, choice, -jnp.inf)
+    _, expert_ids = jax.lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    weights = weights * cfg.routed_scaling_factor
+    return expert_ids.astype(jnp.int32), weights
+
+
+def grouped_experts(moe, x, expert_ids):
+    """Every (token, chosen expert) pair's SwiGLU output, ``[N, k, H]``, via a grouped matmul.
+
+    x ``[N, H]``, expert_ids ``[N, k]``. Rows are sorted by expert (stable), ``ragged_dot`` runs each expert
+    on its contiguous run of rows, and the inverse permutation puts the results back in (token, slot) order.
+    """
+    num_tokens, k = expert_ids.shape
+    num_experts = moe["gate"].shape[0]
+    flat_ids = expert_ids.reshape(-1)
+    order = jnp.argsort(flat_ids, stable=True)
+    group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat_ids].add(1)
+    rows = x[order // k]  # [N*k, H], grouped by expert
+    gate = jax.lax.ragged_dot(rows, moe["gate"].astype(x.dtype), group_sizes)
+    up = jax.lax.ragged_dot(rows, moe["up"].astype(x.dtype), group_sizes)
+    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, moe["down"].astype(x.dtype), group_sizes)
+    inverse = jnp.argsort(order)  # a gather back to (token, slot) order: no scatter-add, fixed summation order
+    return out[inverse].reshape(num_tokens, k, -1)
+
+
+def moe_mlp(moe, x, cfg: ModelConfig):
+    """Sparse MLP over the (already normalised) hidden states ``x [..., H]``."""
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1])
+    expert_ids, weights = route(router_logits(moe, flat, cfg), cfg, moe.get("expert_bias"))
+    per_expert = grouped_experts(moe, flat, expert_ids)  # [N, k, H]
+    out = jnp.einsum("nkh,nk->nh", per_expert.astype(jnp.float32), weights).astype(x.dtype)
+    if "shared_gate" in moe:
+        out = out + swiglu(flat, moe["shared_gate"], moe["shared_up"], moe["shared_down"])
+    return out.reshape(*lead, -1)

@@ -1,0 +1,48 @@
+"""Chat templates for checkpoints whose tokenizer ships none.
+
+SDAR checkpoints carry their Qwen3 template in the tokenizer; LLaDA2.x uses the Bailing role format
+(``<role>SYSTEM</role>...<|role_end|><role>HUMAN</role>...<|role_end|><role>ASSISTANT</role>``), written here
+so a tokenizer without ``chat_template`` still formats chats the way the model was trained. Without a system
+message the system turn is ``detailed thinking off``, as in the published LLaDA2 examples.
+"""
+
+from __future__ import annotations
+
+from dllm_jax.config import ModelConfig
+
+LLADA2_DEFAULT_SYSTEM = "detailed thinking off"
+
+LLADA2_CHAT_TEMPLATE = (
+    "{%- set role_tags = {'system': 'SYSTEM', 'user': 'HUMAN', 'human': 'HUMAN', 'assistant': 'ASSISTANT'} -%}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{{- '<role>SYSTEM</role>' + messages[0]['content'] + '<|role_end|>' -}}"
+    "{%- set rest = messages[1:] -%}"
+    "{%- else -%}"
+    "{{- '<role>SYSTEM</role>" + LLADA2_DEFAULT_SYSTEM + "<|role_end|>' -}}"
+    "{%- set rest = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in rest -%}"
+    "{{- '<role>' + role_tags.get(message['role'], message['role'] | upper) + '</role>'"
+    " + message['content'] + '<|role_end|>' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<role>ASSISTANT</role>' -}}{%- endif -%}"
+)
+
+
+def default_chat_template(cfg: ModelConfig) -> str | None:
+    """The template to use when the tokenizer has none (None: keep none; the caller formats raw prompts)."""
+    if cfg.family == "llada2":
+        return LLADA2_CHAT_TEMPLATE
+    return None
+
+
+def render_llada2_chat(messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """Plain-Python rendering of :data:`LLADA2_CHAT_TEMPLATE` (for tokenizer-less callers and tests)."""
+    tags = {"system": "SYSTEM", "user": "HUMAN", "human": "HUMAN", "assistant": "ASSISTANT"}
+    if messages and messages[0]["role"] == "system":
+        out, rest = f"<role>SYSTEM</role>{messages[0]['content']}<|role_end|>", messages[1:]
+    else:
+        out, rest = f"<role>SYSTEM</role>{LLADA2_DEFAULT_SYSTEM}<|role_end|>", messages
+    for m in rest:
+        out += f"<role>{tags.get(m['role'], m['role'].upper())}</role>{m['content']}<|role_end|>"
+    return out + ("<role>ASSISTANT</role>" if add_generation_prompt else "")
