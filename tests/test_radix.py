@@ -261,6 +261,15 @@ def test_eviction_is_lru_over_unlocked_leaves():
     tree.check_invariants()
 
 
+def test_insert_refreshes_lru():
+    alloc, tree = make()
+    a = cache(tree, alloc, [1, 1, 1, 1])
+    b = cache(tree, alloc, [2, 2, 2, 2])
+    assert tree.insert([1, 1, 1, 1], a) == a  # re-insert (a request finishing) counts as a use
+    assert tree.evict(1) == 1
+    assert alloc.refcount(b[0]) == 0 and alloc.refcount(a[0]) == 1
+
+
 def test_eviction_skips_locked_paths_and_reports_count():
     alloc, tree = make()
     cache(tree, alloc, [1, 1, 1, 1, 2, 2, 2, 2])
@@ -322,3 +331,211 @@ def test_disabled_cache_matches_nothing_and_takes_nothing():
     assert tree.total == 0 and tree.evict(5) == 0
     tree.reset()
     assert alloc.num_used == 3
+
+
+# -- random interleavings: the scheduler's use of allocator + tree ------------------------------
+
+from hypothesis import settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule  # noqa: E402
+
+from dllm_jax.cache.pages import OutOfPages  # noqa: E402
+
+SM_BLOCK = 4
+SM_PAGES = 12  # 11 allocatable: small enough that admission and commits hit memory pressure
+token = st.sampled_from([1, 2, M])  # tiny alphabet with literal masks
+# Shared prompt prefixes and output blocks, so that requests hit, race on and duplicate blocks often.
+SHARED_PREFIXES = [[1, 2, M, 1, 2, 2, M, M, 1, 1, 1, 1], [1, 2, M, 1, M, M, M, M, 2, 1, 2, 1], [M] * 4 + [1] * 4 + [2] * 4]
+SHARED_BLOCKS = [[2, 2, 2, 2], [M, 1, M, 1], [M, M, M, M]]
+prompts = st.builds(
+    lambda prefix, cut, tail: (prefix[:cut] + tail)[:14],
+    st.sampled_from(SHARED_PREFIXES),
+    st.integers(0, 12),
+    st.lists(token, max_size=6),
+)
+
+
+def output_tokens(count):
+    """`count` committed output tokens: often a shared block's head, sometimes random."""
+    return st.one_of(st.sampled_from(SHARED_BLOCKS).map(lambda b: b[:count]),
+                     st.lists(token, min_size=count, max_size=count))
+
+
+class _Req:
+    """What the scheduler keeps per running request.
+
+    tokens: real tokens (prompt + committed outputs); table: page per block (complete blocks, then
+    the in-flight block if any); owned: pages the request holds a reference on (always table[depth:]);
+    node: the tree node the request has locked (depth = its number of blocks).
+    """
+
+    def __init__(self, tokens, table, owned, node, depth):
+        self.tokens, self.table, self.owned, self.node, self.depth = tokens, table, owned, node, depth
+        self.inflight = True
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.alloc = PageAllocator(SM_PAGES)
+        self.tree = BlockRadixIndex(SM_BLOCK, self.alloc)
+        self.reqs: dict[int, _Req] = {}
+        self.next_rid = 0
+
+    # helpers ---------------------------------------------------------------------------------
+    def _alloc_with_evict(self, n):
+        """What the scheduler does under pressure: evict cache, then retry; None if still short."""
+        try:
+            return self.alloc.alloc(n)
+        except OutOfPages:
+            self.tree.evict(n - self.alloc.num_free)
+            if not self.alloc.can_alloc(n):
+                return None
+            return self.alloc.alloc(n)
+
+    def _pick(self, index):
+        return sorted(self.reqs)[index % len(self.reqs)]
+
+    def _cache_committed(self, req, use_insert_and_match):
+        """Insert the complete real blocks; the tree now owns them; move the lock to the new node."""
+        n = len(req.tokens) // SM_BLOCK
+        if use_insert_and_match:
+            result = self.tree.insert_and_match(req.tokens, req.table[:n])
+            canonical, new_node = result.pages, result.node
+        else:
+            canonical = self.tree.insert(req.tokens, req.table[:n])
+            hit = self.tree.match(req.tokens, len(req.tokens))
+            assert hit.pages == canonical and hit.matched_len == n * SM_BLOCK
+            new_node = hit.node
+        assert len(canonical) == n and all(self.tree.holds(p) for p in canonical)
+        assert canonical[: req.depth] == req.table[: req.depth]  # locked prefix cannot change
+        given = set(req.table[:n])
+        req.owned = [p for p in req.owned if p not in given]
+        req.table[:n] = canonical
+        self.tree.lock(new_node)
+        self.tree.unlock(req.node)
+        req.node, req.depth = new_node, n
+
+    # rules -----------------------------------------------------------------------------------
+    @rule(
+        prompt=prompts,
+        logprob_start=st.one_of(st.none(), st.integers(-1, 14)),
+    )
+    def admit(self, prompt, logprob_start):
+        fill = prompt + [M] * (SM_BLOCK - len(prompt) % SM_BLOCK)  # prompt + synthetic masks
+        hit = self.tree.match(fill, len(prompt), logprob_start)
+        assert hit.matched_len % SM_BLOCK == 0
+        assert hit.matched_len <= self.tree.match_bound(len(prompt), logprob_start) <= len(prompt)
+        self.tree.lock(hit.node)
+        need = len(prompt) // SM_BLOCK + 1 - len(hit.pages)  # unmatched prompt blocks + in-flight block
+        own = self._alloc_with_evict(need)
+        if own is None:
+            self.tree.unlock(hit.node)  # refused: wait for a later round
+            return
+        self.reqs[self.next_rid] = _Req(list(prompt), hit.pages + own, list(own), hit.node, len(hit.pages))
+        self.next_rid += 1
+
+    @precondition(lambda self: any(r.inflight for r in self.reqs.values()))
+    @rule(index=st.integers(0, 99), data=st.data(), use_insert_and_match=st.booleans())
+    def commit_block(self, index, data, use_insert_and_match):
+        rid = sorted(r for r, q in self.reqs.items() if q.inflight)[index % sum(q.inflight for q in self.reqs.values())]
+        req = self.reqs[rid]
+        req.tokens += data.draw(output_tokens(SM_BLOCK - len(req.tokens) % SM_BLOCK))
+        self._cache_committed(req, use_insert_and_match)
+        assert req.owned == []
+        nxt = self._alloc_with_evict(1)
+        if nxt is None:
+            req.inflight = False  # no page for the next block: the request can only finish or abort
+        else:
+            req.table += nxt
+            req.owned += nxt
+
+    @precondition(lambda self: self.reqs)
+    @rule(index=st.integers(0, 99), tail=st.lists(token, max_size=SM_BLOCK - 1))
+    def finish(self, index, tail):
+        req = self.reqs.pop(self._pick(index))
+        if req.inflight:
+            req.tokens += tail[: SM_BLOCK - 1 - len(req.tokens) % SM_BLOCK]  # stop inside the last block
+        n = len(req.tokens) // SM_BLOCK
+        canonical = self.tree.insert(req.tokens, req.table[:n])  # a partial tail never enters
+        given = set(req.table[:n])
+        assert all(self.tree.holds(p) for p in canonical)
+        self.tree.unlock(req.node)
+        self.alloc.free([p for p in req.owned if p not in given])
+
+    @precondition(lambda self: self.reqs)
+    @rule(index=st.integers(0, 99))
+    def abort(self, index):
+        req = self.reqs.pop(self._pick(index))
+        self.tree.unlock(req.node)
+        self.alloc.free(req.owned)
+
+    @rule(num_pages=st.integers(0, SM_PAGES))
+    def evict(self, num_pages):
+        evictable, free = self.tree.evictable, self.alloc.num_free
+        freed = self.tree.evict(num_pages)
+        assert freed == min(num_pages, evictable)  # every unlocked node is reachable by leaf eviction
+        assert self.alloc.num_free == free + freed
+
+    @rule()
+    def flush(self):
+        if self.tree.protected:
+            with pytest.raises(PageError):
+                self.tree.reset()
+        else:
+            self.tree.reset()
+            assert self.tree.total == 0
+
+    # invariants ------------------------------------------------------------------------------
+    @invariant()
+    def pages_have_exactly_their_holders(self):
+        self.alloc.check_invariants()
+        self.tree.check_invariants()
+        holders = [0] * SM_PAGES
+        tree_pages = self.tree.pages()
+        for page in tree_pages:
+            holders[page] += 1
+        for req in self.reqs.values():
+            assert req.owned == req.table[req.depth :]
+            assert not tree_pages.intersection(req.owned)
+            for page in req.owned:
+                holders[page] += 1
+        for page in range(1, SM_PAGES):
+            assert self.alloc.refcount(page) == holders[page], page
+        assert self.alloc.num_free == sum(1 for h in holders[1:] if h == 0)
+        assert self.tree.evictable + self.tree.protected == self.tree.total == len(tree_pages)
+
+    @invariant()
+    def locked_paths_match_requests(self):
+        locked = set()
+        for req in self.reqs.values():
+            node, depth = req.node, req.depth
+            assert node.is_root or (node.attached and node.lock_ref >= 1)
+            while not node.is_root:  # the locked path is exactly the request's cached prefix
+                depth -= 1
+                assert node.page == req.table[depth]
+                assert list(node.key) == req.tokens[depth * SM_BLOCK : (depth + 1) * SM_BLOCK]
+                locked.add(node)
+                node = node.parent
+            assert depth == 0
+        assert self.tree.protected == len(locked)
+        assert all(n.lock_ref >= 1 for n in locked)
+
+    def teardown(self):
+        # End every request (alternately finish and abort); then no locks remain and every page is
+        # free or in the tree; a flush then returns everything.
+        for i, rid in enumerate(sorted(self.reqs)):
+            if i % 2:
+                self.finish(0, [])
+            else:
+                self.abort(0)
+        assert self.tree.protected == 0 and self.tree.evictable == self.tree.total
+        assert self.alloc.num_used == self.tree.total
+        self.tree.check_invariants()
+        self.tree.reset()
+        assert self.alloc.num_used == 0
+        self.alloc.check_invariants()
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
+test_scheduler_machine = SchedulerMachine.TestCase
