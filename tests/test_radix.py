@@ -438,8 +438,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(r.inflight for r in self.reqs.values()))
     @rule(index=st.integers(0, 99), data=st.data(), use_insert_and_match=st.booleans())
     def commit_block(self, index, data, use_insert_and_match):
-        rid = sorted(r for r, q in self.reqs.items() if q.inflight)[index % sum(q.inflight for q in self.reqs.values())]
-        req = self.reqs[rid]
+        decoding = sorted(rid for rid, req in self.reqs.items() if req.inflight)
+        req = self.reqs[decoding[index % len(decoding)]]
         req.tokens += data.draw(output_tokens(SM_BLOCK - len(req.tokens) % SM_BLOCK))
         self._cache_committed(req, use_insert_and_match)
         assert req.owned == []
