@@ -1,0 +1,36 @@
+"""Pallas GPU kernels (Triton backend), each beside its plain-JAX reference.
+
+* :mod:`pallas_kernels.paged_block_attention`: the chunk of blocks against its paged prefix plus
+  itself (block-causal). ``get_attention_fn(backend)`` gives a drop-in ``attention_fn``.
+* :mod:`pallas_kernels.confidence`: LM head fused with per-position (argmax, p_max, lse) over the
+  vocabulary. ``get_confidence_fn(backend)``; ``merge_confidence_triples`` for vocab shards.
+
+Backends: ``"pallas"`` (GPU), ``"pallas_interpret"`` (the kernel bodies as plain XLA: CPU tests),
+``"xla"`` (the reference), ``"auto"`` (Pallas on GPU, XLA elsewhere).
+"""
+
+from pallas_kernels.confidence import (
+    confidence_stats,
+    confidence_stats_reference,
+    confidence_triples,
+    finalize_confidence_triple,
+    get_confidence_fn,
+    merge_confidence_triples,
+)
+from pallas_kernels.paged_block_attention import (
+    get_attention_fn,
+    paged_block_attention,
+    paged_block_attention_reference,
+)
+
+__all__ = [
+    "confidence_stats",
+    "confidence_stats_reference",
+    "confidence_triples",
+    "finalize_confidence_triple",
+    "get_attention_fn",
+    "get_confidence_fn",
+    "merge_confidence_triples",
+    "paged_block_attention",
+    "paged_block_attention_reference",
+]

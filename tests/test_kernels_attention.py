@@ -105,3 +105,17 @@ def test_default_tiles_at_sdar_shapes():
     assert attention_tiles(64, 32, 16, 8, 128, 128, block_size=32)["kv_splits"] == 1
     t = attention_tiles(1, 32, 32, 4, 128, 128, block_size=32)  # GQA 8: two q tiles of 16 tokens
     assert (t["block_q"] * t["group_p"], t["num_q_tiles"]) == (128, 2)
+
+
+@pytest.mark.slow
+def test_bench_smoke(tmp_path):
+    """``python -m bench.kernels --smoke`` runs on CPU and writes its JSON (about 30 s)."""
+    import json
+
+    from bench.kernels import main
+
+    out = tmp_path / "kernels.json"
+    assert main(["--smoke", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["smoke"] and {r["kernel"] for r in data["results"]} == {"attention", "confidence"}
+    assert all(r["max_abs_err"] < 1e-4 for r in data["results"] if r["kernel"] == "attention")
