@@ -256,12 +256,12 @@ def forward_chunk(params: Params, cfg: ModelConfig, tokens, kv_pages, page_table
     flat_pages = write_pages.reshape(-1)
     new_pages = []
     for layer, (k_pool, v_pool) in zip(params["layers"], kv_pages):
-        with jax.named_scope("attention"):
-            h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-            q, k, v = _qkv(layer, h, positions, cfg)
-            attn = attention_fn(q, k, v, k_pool, v_pool, page_table, prefix_len, block_size=block_size)
-            x = x + _out_proj(layer, attn.reshape(num_rows, chunk_len, cfg.q_size))
+        h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+        q, k, v = _qkv(layer, h, positions, cfg)
         with jax.named_scope("kv_write"):
+            # Written BEFORE attention: rows may be blocks of one request (multi-block prefill as one block per
+            # row), and a row's prefix pages can be pages other rows write in this very call. A row never reads
+            # its own write pages (its own K/V come in as k_new), so denoise steps are unaffected.
             # [R, C*B, Hkv, D] -> [Hkv, R*C, B, D], scattered into the chunk's pages.
             def to_pages(t):
                 t = t.reshape(num_rows * num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -269,6 +269,9 @@ def forward_chunk(params: Params, cfg: ModelConfig, tokens, kv_pages, page_table
             k_pool = k_pool.at[:, flat_pages].set(to_pages(k))
             v_pool = v_pool.at[:, flat_pages].set(to_pages(v))
             new_pages.append((k_pool, v_pool))
+        with jax.named_scope("attention"):
+            attn = attention_fn(q, k, v, k_pool, v_pool, page_table, prefix_len, block_size=block_size)
+            x = x + _out_proj(layer, attn.reshape(num_rows, chunk_len, cfg.q_size))
         with jax.named_scope("mlp"):
             x = x + _mlp(layer, x, cfg)
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
