@@ -10,6 +10,11 @@ Semantics (the reference below defines them; the Pallas kernel must match it):
 Returns ``(argmax [N] int32, p_max [N] float32, lse [N] float32)`` where ``lse`` is the log-sum-exp of
 the logits without the excluded token and ``p_max = exp(max - lse)``. Ties break to the lowest index,
 as ``jnp.argmax`` does.
+
+:func:`confidence_stats` is the Pallas (Triton) kernel with the same results: the LM-head matmul is
+fused with an online (max, sum-exp, argmax) triple so the logits never reach memory.
+:func:`merge_confidence_triples` combines triples of vocab slices (kernel splits, or tensor-parallel
+shards); ``get_confidence_fn`` picks the implementation by backend name.
 """
 
 from __future__ import annotations

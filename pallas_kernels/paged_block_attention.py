@@ -12,6 +12,10 @@ Semantics (the reference below defines them; the Pallas kernel must match it):
 Every query sees the whole prefix and, inside the chunk, every key whose block index is not later than
 its own (block-causal; bidirectional within a block). Softmax in float32. Returns ``[R, T, Hq, D]`` in
 ``q.dtype``.
+
+:func:`paged_block_attention` is the Pallas (Triton) kernel with the same signature, so one
+``attention_fn`` slot serves denoise steps (``C = 1``) and multi-block prefill; ``get_attention_fn``
+picks the implementation by backend name.
 """
 
 from __future__ import annotations

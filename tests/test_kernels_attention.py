@@ -91,6 +91,14 @@ def test_prefix_is_read_through_the_page_table_and_backends():
     changed = np.any(np.asarray(fn(*args, block_size=block)) != np.asarray(base), axis=(1, 2, 3))
     assert changed.tolist() == [False, False, False, True]
 
+    # Table slots past a row's prefix are never read: garbage ids there (even out of range) change nothing.
+    args[3] = k_pages
+    garbage = table.copy()
+    for r in range(4):
+        garbage[r, prefix[r] // block:] = [-7, 10 ** 6, NUM_PAGES][r % 3]
+    args[5] = jnp.asarray(garbage)
+    np.testing.assert_array_equal(np.asarray(fn(*args, block_size=block)), np.asarray(base))
+
     assert get_attention_fn("xla") is paged_block_attention_reference
     assert get_attention_fn("auto") is paged_block_attention_reference  # CPU: auto means XLA
     with pytest.raises(ValueError):
