@@ -127,3 +127,27 @@ def test_bench_smoke(tmp_path):
     data = json.loads(out.read_text())
     assert data["smoke"] and {r["kernel"] for r in data["results"]} == {"attention", "confidence"}
     assert all(r["max_abs_err"] < 1e-4 for r in data["results"] if r["kernel"] == "attention")
+
+
+def test_drop_in_attention_fn_for_the_model():
+    """The kernel in ``forward_chunk``'s ``attention_fn`` slot (a 2-block chunk over ragged prefixes)
+    gives the hidden states of the XLA path."""
+    from dllm_jax.config import ModelConfig
+    from dllm_jax.model.qwen3 import forward_chunk, param_shapes
+
+    cfg = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda shape: jnp.asarray(0.2 * rng.standard_normal(shape), jnp.float32),
+                          param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    pools = [tuple(jnp.asarray(rng.standard_normal((2, 16, 4, 16)), jnp.float32) for _ in range(2)) for _ in range(1)]
+    tokens = jnp.asarray(rng.integers(0, 300, (2, 8)))
+    table = jnp.asarray([[3, 5, 7, 0], [9, 2, 0, 0]], jnp.int32)
+    prefix = jnp.asarray([8, 4], jnp.int32)
+    write = jnp.asarray([[11, 12], [13, 14]], jnp.int32)
+    hidden = {}
+    for backend in ("xla", "pallas_interpret"):
+        fn = get_attention_fn(backend, block_k=16)
+        hidden[backend] = jax.jit(lambda p, t, kv: forward_chunk(p, cfg, t, kv, table, prefix, write, block_size=4,
+                                                                 attention_fn=fn)[0])(params, tokens, pools)
+    np.testing.assert_allclose(np.asarray(hidden["pallas_interpret"]), np.asarray(hidden["xla"]), atol=2e-5)
