@@ -312,9 +312,8 @@ def _qwen3_fields(hf: dict, num_layers: int, source: str) -> dict:
 
 def _llada2_fields(hf: dict, num_layers: int, head_dim: int, source: str) -> dict:
     """LLaDA2.x fields. Defaults are those of the checkpoints' own ``LLaDA2MoeConfig`` class, which is what
-    SGLang (trust_remote_code) sees when a key is absent from config.json."""
-    if hf.get("use_rmsnorm") is False:
-        raise ConfigError(f"{source}: use_rmsnorm=false (LayerNorm q/k norms) is not supported")
+    SGLang (trust_remote_code) sees when a key is absent from config.json. As in SGLang's ``llada2.py`` the q/k
+    norms are RMSNorm whatever ``use_rmsnorm`` says."""
     num_experts = int(hf.get("num_experts", 16) or 0)
     first_dense = int(hf.get("first_k_dense_replace", 0) or 0)
     moe_layers = tuple(range(first_dense, num_layers)) if num_experts else ()
