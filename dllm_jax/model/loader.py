@@ -134,7 +134,7 @@ def _simple(path, transpose):
     return [_Part(path, None, _transpose if transpose else _ident)]
 
 
-def _expected_hf_shape(cfg: ModelConfig, shapes: Params, name: str, parts: list[_Part]) -> tuple:
+def _expected_hf_shape(cfg: ModelConfig, shapes: Params, parts: list[_Part]) -> tuple:
     """The shape the HF tensor must have for ``parts`` (from config.json), for the mismatch message."""
     first = parts[0]
     leaf = _get(shapes, first.path)
@@ -377,7 +377,7 @@ def load_safetensors_params(model_dir: str, cfg: ModelConfig, dtype) -> Params:
                 if not parts:  # e.g. a tied lm_head, or biases the config does not use
                     continue
                 hf_shape = tuple(f.get_slice(name).get_shape())
-                expected = _expected_hf_shape(cfg, shapes, name, parts)
+                expected = _expected_hf_shape(cfg, shapes, parts)
                 if hf_shape != expected:
                     raise CheckpointError(f"{path}: tensor '{name}' has shape {hf_shape}, expected {expected} "
                                           f"from config.json")
