@@ -11,3 +11,66 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared fixtures: a tiny random model, engines whose pages are checked after every test
+# ----------------------------------------------------------------------------------------------
+import pytest  # noqa: E402
+
+TINY_MASK_ID = 63
+TINY_EOS_ID = 1
+
+
+def build_tiny_model(path, *, block_size=4, seed=0, std=0.5, vocab=64, layers=2, max_pos=256, tie=False,
+                     kv_heads=2, eos=TINY_EOS_ID):
+    """A random Qwen3 small enough to compile in about a second; ``std`` 0.5 gives peaky distributions, so
+    LowConfidence commits several tokens per step and ties are rare."""
+    from dllm_jax.config import ModelConfig
+    from dllm_jax.model.loader import save_hf
+    from dllm_jax.model.qwen3 import init_params
+
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=layers, num_heads=4,
+                      num_kv_heads=kv_heads, head_dim=8, max_position_embeddings=max_pos,
+                      mask_token_id=TINY_MASK_ID, block_size=block_size, eos_token_ids=(eos,),
+                      tie_word_embeddings=tie)
+    params = init_params(cfg, jax.random.PRNGKey(seed), std=std)
+    save_hf(params, cfg, str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_b32(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny32") / "model", block_size=32)
+
+
+def assert_pages_back(engine):
+    """Every page is free or held by the radix index; nothing running, queued or locked."""
+    s = engine.scheduler
+    assert not s.running and not s.waiting, "requests left in the engine"
+    s.check_pages()
+    assert engine.radix.protected == 0, "radix locks left"
+    assert engine.allocator.num_free + engine.radix.total == engine.allocator.capacity
+
+
+@pytest.fixture
+def make_engine():
+    """Build engines for a test; after it, check that all of their KV pages came back."""
+    from dllm_jax import Engine
+
+    engines = []
+
+    def make(model_path, **kwargs):
+        engine = Engine(model_path, **kwargs)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+        assert_pages_back(engine)

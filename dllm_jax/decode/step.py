@@ -1,0 +1,215 @@
+"""The jitted device functions: prefill of committed blocks and the denoise step.
+
+Everything here is pure and shape-static: the host pads a batch to a bucket (rows, page-table width, prefill
+blocks) and calls one of the functions below; the KV page pool is donated so its pages are updated in place.
+
+* :func:`prefill` encodes chunks of complete blocks of real tokens (several blocks per row, block-causal inside
+  the chunk) and writes their K/V; nothing is decoded.
+* :func:`denoise` runs the model over each row's current block, turns the hidden states into candidates
+  (argmax / sampled token and confidence, the mask id excluded), applies the algorithm under the explicit
+  ``immutable`` mask and writes the block's K/V. With ``spec.loop`` it repeats that on the device
+  (``lax.while_loop``) until every row is done: the synchronous schedule, with no host round trip per step.
+  Without it, it runs exactly one step: the FDFO schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dllm_jax.config import ModelConfig
+from dllm_jax.decode.algorithms import Algorithm, Candidates, State
+from dllm_jax.decode.backends import attention_function, confidence_function
+from dllm_jax.model.qwen3 import forward_chunk, lm_head_matrix
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """Static description of a compiled step (hashable: part of the jit cache key)."""
+
+    model: ModelConfig
+    block_size: int
+    mask_id: int
+    algorithm: Algorithm | None = None
+    attention_backend: str = "xla"
+    confidence_backend: str = "xla"
+    sampling: bool = False  # some row samples (temperature > 0): full logits are materialised
+    loop: bool = False  # synchronous schedule: loop on the device until every row is done
+
+    @property
+    def max_steps(self) -> int:
+        # Two beyond the algorithm's own cap: one forced fill of leftover masks, one forward that writes their KV.
+        return self.algorithm.max_steps(self.block_size) + 2
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DenoiseBatch:
+    """One padded batch of rows (requests), each holding its current block."""
+
+    tokens: jax.Array  # [R, B] int32
+    immutable: jax.Array  # [R, B] bool: prompt / committed positions (never rewritten)
+    page_table: jax.Array  # [R, W] int32: the row's prefix pages (trash page 0 beyond)
+    prefix_len: jax.Array  # [R] int32: cached prefix tokens = absolute offset of the block
+    write_page: jax.Array  # [R] int32: the page the block's K/V goes to (0 for padding rows)
+    steps_taken: jax.Array  # [R] int32: forwards already spent on this block (FDFO carries it)
+    temperature: jax.Array  # [R] f32 (0 = greedy)
+    top_k: jax.Array  # [R] int32 (<= 0: off)
+    top_p: jax.Array  # [R] f32 (1 = off)
+    seed: jax.Array  # [R] uint32: per-request sampling seed
+    rng_step: jax.Array  # [R] int32: position of this step in the request's generation (folded into the key)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DenoiseResult:
+    tokens: jax.Array  # [R, B]
+    done: jax.Array  # [R] bool
+    steps: jax.Array  # [R] int32: forwards that served each row in this call
+    state: State
+
+
+def _model_forward(params, kv_pages, tokens, page_table, prefix_len, write_pages, spec: StepSpec):
+    return forward_chunk(params, spec.model, tokens, kv_pages, page_table, prefix_len, write_pages,
+                         block_size=spec.block_size, attention_fn=attention_function(spec.attention_backend))
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("kv_pages",))
+def prefill(params, kv_pages, tokens, page_table, prefix_len, write_pages, *, spec: StepSpec):
+    """Encode ``tokens [R, C*B]`` (C complete blocks per row) after each row's prefix; write their K/V."""
+    with jax.named_scope("prefill"):
+        _, kv_pages = _model_forward(params, kv_pages, tokens, page_table, prefix_len, write_pages, spec)
+    return kv_pages
+
+
+# ----------------------------------------------------------------------------------------------
+# Candidates: argmax or sampled token, and its confidence, with the mask id excluded
+# ----------------------------------------------------------------------------------------------
+
+def _exclude_mask(logits, mask_id):
+    return logits.at[..., mask_id].set(-jnp.inf)
+
+
+def _entropy(logits):
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    probs = jnp.exp(logits - lse)
+    return -jnp.sum(jnp.where(probs > 0, probs * (logits - lse), 0.0), axis=-1)
+
+
+def _filter_top_k_top_p(scaled, top_k, top_p):
+    """Set to -inf every logit outside the row's top-k / nucleus (per-row k and p; k <= 0 and p >= 1 are off)."""
+    vocab = scaled.shape[-1]
+    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)[:, None, None]
+    kth = jnp.take_along_axis(sorted_desc, k - 1, axis=-1)
+    sorted_desc = jnp.where(jnp.arange(vocab) < k, sorted_desc, -jnp.inf)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    keep = before < top_p[:, None, None]
+    smallest_kept = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    cutoff = jnp.maximum(kth, smallest_kept)
+    return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+
+
+def _sample(logits, batch: DenoiseBatch):
+    """Draw a token per position for every row; returns (tokens, relative confidence). Greedy rows ignore it."""
+    temperature = jnp.where(batch.temperature > 0, batch.temperature, 1.0)
+    scaled = logits / temperature[:, None, None]
+    filtered = _filter_top_k_top_p(scaled, batch.top_k, batch.top_p)
+    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(batch.seed, batch.rng_step)
+    drawn = jax.vmap(lambda k, z: jax.random.categorical(k, z, axis=-1))(keys, filtered).astype(jnp.int32)
+    top = jnp.max(logits, axis=-1)
+    drawn_logit = jnp.take_along_axis(logits, drawn[..., None], axis=-1)[..., 0]
+    relative = jnp.exp((drawn_logit - top) / temperature[:, None])
+    return drawn, relative
+
+
+def candidates(params, hidden, batch: DenoiseBatch, spec: StepSpec) -> Candidates:
+    rows, block, dim = hidden.shape
+    algo = spec.algorithm
+    need_logits = spec.sampling or algo.needs_logits or algo.needs_entropy
+    with jax.named_scope("confidence"):
+        # The greedy figures always come from the configured confidence backend, so a greedy row is
+        # bit-identical whether or not a sampled row shares its batch.
+        argmax, p_max, _ = confidence_function(spec.confidence_backend)(
+            hidden.reshape(rows * block, dim), lm_head_matrix(params), exclude_token_id=spec.mask_id)
+        tokens, confidence = argmax.reshape(rows, block), p_max.reshape(rows, block)
+        if not need_logits:
+            return Candidates(tokens=tokens, confidence=confidence)
+        logits = jnp.dot(hidden, lm_head_matrix(params), preferred_element_type=jnp.float32)
+        logits = _exclude_mask(logits, spec.mask_id)
+        entropy = _entropy(logits) if algo.needs_entropy else None
+        sampled_rows = batch.temperature > 0
+        if spec.sampling:
+            drawn, relative = _sample(logits, batch)
+            tokens = jnp.where(sampled_rows[:, None], drawn, tokens)
+            confidence = jnp.where(sampled_rows[:, None], jnp.minimum(confidence, relative), confidence)
+        return Candidates(tokens=tokens, confidence=confidence, entropy=entropy,
+                          logits=logits if algo.needs_logits else None, sampled=sampled_rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# The denoise step
+# ----------------------------------------------------------------------------------------------
+
+def _one_step(params, kv_pages, batch: DenoiseBatch, tokens, state, steps_taken, spec: StepSpec):
+    """Forward over the blocks, then one algorithm update. Returns (kv_pages, tokens, done, state)."""
+    hidden, kv_pages = _model_forward(params, kv_pages, tokens, batch.page_table, batch.prefix_len,
+                                      batch.write_page[:, None], spec)
+    step_batch = dataclasses.replace(batch, rng_step=batch.rng_step + steps_taken - batch.steps_taken)
+    cand = candidates(params, hidden, step_batch, spec)
+    cap = spec.algorithm.max_steps(spec.block_size)
+    # Safety net (never reached by a correct algorithm): past the cap, fill what is left, then freeze.
+    freeze = steps_taken >= cap + 1
+    immutable = batch.immutable | freeze[:, None]
+    with jax.named_scope("algorithm"):
+        new_tokens, done, state = spec.algorithm.step(tokens, immutable, cand, state, spec.mask_id)
+    fill = (steps_taken >= cap) & ~freeze
+    leftover = fill[:, None] & (new_tokens == spec.mask_id) & ~batch.immutable
+    new_tokens = jnp.where(leftover, cand.tokens, new_tokens)
+    done = done & ~jnp.any(leftover | (fill[:, None] & (new_tokens != tokens)), axis=-1)
+    return kv_pages, new_tokens, done, state
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("kv_pages",))
+def denoise(params, kv_pages, batch: DenoiseBatch, state: State, *, spec: StepSpec):
+    """One denoise step (FDFO) or the whole block loop (``spec.loop``, synchronous). Returns (kv_pages, result)."""
+    if not spec.loop:
+        kv_pages, tokens, done, state = _one_step(params, kv_pages, batch, batch.tokens, state,
+                                                  batch.steps_taken, spec)
+        return kv_pages, DenoiseResult(tokens=tokens, done=done, steps=jnp.ones_like(batch.steps_taken),
+                                       state=state)
+
+    def cond(carry):
+        _, _, done, _, _, it = carry
+        return (it < spec.max_steps) & ~jnp.all(done)
+
+    def body(carry):
+        kv, tokens, done, state, steps, it = carry
+        kv, new_tokens, new_done, new_state = _one_step(params, kv, batch, tokens, state,
+                                                        batch.steps_taken + steps, spec)
+        # Rows already done ride along unchanged (their KV is rewritten with identical values).
+        tokens = jnp.where(done[:, None], tokens, new_tokens)
+        state = jax.tree.map(lambda old, new: jnp.where(done.reshape((-1,) + (1,) * (old.ndim - 1)), old, new),
+                             state, new_state)
+        steps = steps + (~done).astype(jnp.int32)
+        return kv, tokens, done | new_done, state, steps, it + 1
+
+    zeros = jnp.zeros_like(batch.steps_taken)
+    init = (kv_pages, batch.tokens, jnp.zeros(batch.tokens.shape[:1], jnp.bool_), state, zeros, jnp.int32(0))
+    kv_pages, tokens, done, state, steps, _ = jax.lax.while_loop(cond, body, init)
+    return kv_pages, DenoiseResult(tokens=tokens, done=done, steps=steps, state=state)
+
+
+def init_kv_pages(cfg: ModelConfig, num_pages: int, block_size: int, dtype=jnp.float32) -> list[Any]:
+    """The device page pool: per layer ``(k, v)``, each ``[Hkv, num_pages, B, D]``, zero-filled."""
+    shape = (cfg.num_kv_heads, num_pages, block_size, cfg.head_dim)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
+
+
+def kv_bytes_per_page(cfg: ModelConfig, block_size: int, dtype) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * jnp.dtype(dtype).itemsize

@@ -1,0 +1,551 @@
+"""``Engine``: the public Python interface (see DESIGN.md, "Public interfaces").
+
+The engine owns a :class:`~dllm_jax.engine.scheduler.Scheduler` and drives it either from the caller's thread
+(``generate`` on a plain engine) or from one background thread (``start()``; the HTTP server does this), in
+which case ``generate`` and :meth:`Engine.submit` only enqueue and wait. Requests and aborts from other threads
+go through an inbox that the loop drains between rounds, so the scheduler itself is single-threaded.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import math
+import os
+import queue
+import threading
+import time
+import uuid
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dllm_jax.cache.pages import PageAllocator
+from dllm_jax.cache.radix import BlockRadixIndex
+from dllm_jax.decode.algorithms import make_algorithm
+from dllm_jax.decode.backends import resolve_backend
+from dllm_jax.decode.step import kv_bytes_per_page
+from dllm_jax.engine.request import Phase, Request
+from dllm_jax.engine.runner import ModelRunner
+from dllm_jax.engine.sampling import SamplingParams
+from dllm_jax.engine.scheduler import Scheduler
+
+SCHEDULES = ("fdfo", "sync")
+DEFAULT_MAX_RUNNING_REQUESTS = 32
+CPU_KV_BUDGET_BYTES = 1 << 30
+
+
+def default_model_path() -> str:
+    from dllm_jax.assets import DEFAULT_MODEL_PATH
+
+    return DEFAULT_MODEL_PATH
+
+
+class Engine:
+    """A block-diffusion LM server in a Python object.
+
+    Options (all keyword): ``model_path`` (None: the shipped small model), ``block_size`` (None: the model's
+    default), ``algorithm`` / ``algorithm_config`` (SGLang names; the config may be a dict or a YAML path whose
+    ``block_size`` key overrides the model's), ``schedule`` (``"fdfo"``: one denoise step per round, rows join
+    and leave between steps; ``"sync"``: each round runs whole blocks on the device), ``enable_prefix_cache``,
+    ``max_running_requests`` (rows per denoise step; default 32), ``num_kv_pages`` (page pool size; small
+    values force retraction), ``dtype`` (``"auto"``: bfloat16 on GPU, float32 on CPU), ``attention_backend`` /
+    ``confidence_backend`` (``auto | pallas | xla``), ``tensor_parallel_size``, ``profile_dir``, ``seed``,
+    ``context_length`` (default: the model's), ``max_prefill_tokens`` (tokens per prefill forward; default
+    2048), ``mask_token_id`` (override), ``warmup`` (compile every shape bucket at start).
+    """
+
+    def __init__(self, model_path: str | None = None, *, block_size: int | None = None,
+                 algorithm: str = "LowConfidence", algorithm_config: dict | str | None = None,
+                 schedule: str = "fdfo", enable_prefix_cache: bool = True,
+                 max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS, num_kv_pages: int | None = None,
+                 dtype: str = "auto", attention_backend: str = "auto", confidence_backend: str = "auto",
+                 tensor_parallel_size: int = 1, profile_dir: str | None = None, profile_steps: int = 64,
+                 seed: int = 0, context_length: int | None = None, max_prefill_tokens: int = 2048,
+                 mask_token_id: int | None = None, warmup: bool = False, kv_memory_fraction: float = 0.85):
+        from dllm_jax.model.loader import load_model
+
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule: must be one of {SCHEDULES}, got {schedule!r}")
+        if not isinstance(max_running_requests, int) or max_running_requests < 1:
+            raise ValueError(f"max_running_requests: must be an integer >= 1, got {max_running_requests!r}")
+        if tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size: only 1 is supported by this build")
+        algorithm_config = _load_algorithm_config(algorithm_config)
+        if block_size is None and "block_size" in algorithm_config:
+            block_size = algorithm_config["block_size"]
+        if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
+            raise ValueError(f"block_size: must be an integer >= 1, got {block_size!r}")
+        on_gpu = jax.default_backend() == "gpu"
+        if dtype == "auto":
+            dtype = "bfloat16" if on_gpu else "float32"
+
+        self.model_path = os.path.abspath(model_path) if model_path is not None else default_model_path()
+        loaded = load_model(self.model_path, dtype=dtype, block_size=block_size, mask_token_id=mask_token_id)
+        self.config = cfg = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.block_size = B = cfg.block_size
+        self.mask_token_id = cfg.mask_token_id
+        self.eos_token_ids = tuple(cfg.eos_token_ids)
+        self.algorithm = make_algorithm(algorithm, algorithm_config, model_config=cfg)
+        self.algorithm_name = algorithm
+        self.schedule = schedule
+        self.dtype = dtype
+        self.attention_backend = resolve_backend(attention_backend, "attention_backend")
+        self.confidence_backend = resolve_backend(confidence_backend, "confidence_backend")
+        self.context_length = int(context_length or cfg.max_position_embeddings)
+        if self.context_length < B:
+            raise ValueError(f"context_length: must be at least one block ({B}), got {self.context_length}")
+        if max_prefill_tokens < B:
+            raise ValueError(f"max_prefill_tokens: must be at least one block ({B}), got {max_prefill_tokens}")
+        pages_per_row = math.ceil(self.context_length / B)
+        page_bytes = kv_bytes_per_page(cfg, B, dtype)
+        if num_kv_pages is None:
+            if on_gpu:
+                stats = jax.devices()[0].memory_stats() or {}
+                free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+                num_kv_pages = int(kv_memory_fraction * free // page_bytes)
+            else:
+                num_kv_pages = min(max_running_requests * pages_per_row + 1, CPU_KV_BUDGET_BYTES // page_bytes)
+            num_kv_pages = max(num_kv_pages, 2)
+        if not isinstance(num_kv_pages, int) or num_kv_pages < 2:
+            raise ValueError(f"num_kv_pages: must be an integer >= 2 (page 0 is reserved), got {num_kv_pages!r}")
+        self.num_kv_pages = num_kv_pages
+        self.max_running_requests = max_running_requests
+        self.enable_prefix_cache = enable_prefix_cache
+
+        self.runner = ModelRunner(
+            loaded.params, cfg, block_size=B, mask_id=self.mask_token_id, algorithm=self.algorithm,
+            num_pages=num_kv_pages, max_rows=max_running_requests, max_pages_per_row=pages_per_row,
+            max_prefill_blocks=max(1, min(max_prefill_tokens // B, pages_per_row)), loop=schedule == "sync",
+            attention_backend=self.attention_backend, confidence_backend=self.confidence_backend,
+            kv_dtype=jnp.dtype(dtype))
+        self.allocator = PageAllocator(num_kv_pages)
+        self.radix = BlockRadixIndex(B, self.allocator, enabled=enable_prefix_cache)
+        self.scheduler = Scheduler(
+            self.runner, self.allocator, self.radix, block_size=B, mask_id=self.mask_token_id,
+            eos_token_ids=self.eos_token_ids, max_running_requests=max_running_requests,
+            context_length=self.context_length, max_prefill_blocks=self.runner.max_prefill_blocks,
+            decode_text=self._decode if self.tokenizer is not None else None)
+        self._rng = np.random.default_rng(seed)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._requests: dict[str, Request] = {}
+        self._lock = threading.RLock()  # one driver of the scheduler at a time
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._wakeup = threading.Event()
+        self._steps = 0
+        self._profile_dir = profile_dir
+        self._profile_steps = profile_steps
+        self._profiling = False
+        self._shutdown = False
+        if warmup:
+            self.warmup()
+        if profile_dir is not None:
+            self.start_profile(profile_dir)
+
+    # ------------------------------------------------------------------------------------------
+    # Info
+    # ------------------------------------------------------------------------------------------
+    def get_model_info(self) -> dict:
+        cfg = self.config
+        return {
+            "model_path": self.model_path,
+            "architecture": cfg.architecture,
+            "block_size": self.block_size,
+            "mask_token_id": self.mask_token_id,
+            "eos_token_ids": list(self.eos_token_ids),
+            "vocab_size": cfg.vocab_size,
+            "algorithm": self.algorithm_name,
+            "algorithm_config": dict(vars(self.algorithm.config)),
+            "schedule": self.schedule,
+            "enable_prefix_cache": self.enable_prefix_cache,
+            "max_running_requests": self.max_running_requests,
+            "num_kv_pages": self.num_kv_pages,
+            "context_length": self.context_length,
+            "dtype": self.dtype,
+            "attention_backend": self.attention_backend,
+            "confidence_backend": self.confidence_backend,
+            "tensor_parallel_size": 1,
+        }
+
+    def get_load(self) -> dict:
+        """Counters for /metrics and tests (a snapshot; safe to read from other threads)."""
+        s = self.scheduler
+        return {
+            "running_requests": len(s.running),
+            "queued_requests": len(s.waiting) + self._inbox.qsize(),
+            "kv_pages_total": self.allocator.capacity,
+            "kv_pages_free": self.allocator.num_free,
+            "kv_pages_used": self.allocator.capacity - self.allocator.num_free,
+            "kv_pages_cached": self.radix.total,
+            "kv_pages_locked": self.radix.protected,
+            **dict(s.stats),
+        }
+
+    def warmup(self, sampling: bool = False) -> int:
+        """Compile every shape bucket now, so no request waits on a compile later. Returns the count."""
+        with self._lock:
+            return self.runner.warmup(sampling=sampling)
+
+    # ------------------------------------------------------------------------------------------
+    # Requests
+    # ------------------------------------------------------------------------------------------
+    def make_request(self, input_ids: list[int], sampling_params: dict | SamplingParams | None = None, *,
+                     rid: str | None = None, on_event: Callable | None = None,
+                     field: str = "input_ids") -> Request:
+        """Validate one request (ValueError naming the field on bad input) and build it; does not enqueue."""
+        params = SamplingParams.from_dict(sampling_params, vocab_size=self.config.vocab_size)
+        if not isinstance(input_ids, (list, tuple)) or not all(_is_int(t) for t in input_ids):
+            raise ValueError(f"{field}: must be a list of integer token ids")
+        vocab = self.config.vocab_size
+        for i, t in enumerate(input_ids):
+            if not 0 <= t < vocab:
+                raise ValueError(f"{field}[{i}]: token id {t} is outside the vocabulary [0, {vocab})")
+        first_block_end = (len(input_ids) // self.block_size + 1) * self.block_size
+        if first_block_end > self.context_length:
+            raise ValueError(f"{field}: the prompt has {len(input_ids)} tokens; with a block of {self.block_size} it "
+                             f"does not fit the context length {self.context_length}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("sampling_params.stop: stop strings need a tokenizer; this model has none")
+        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2 ** 32))
+        return Request(rid=rid or uuid.uuid4().hex, prompt_ids=[int(t) for t in input_ids], params=params,
+                       seed=seed, on_event=on_event)
+
+    def tokenize(self, text: str, field: str = "text") -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"{field}: must be a string, got {type(text).__name__}")
+        if self.tokenizer is None:
+            raise ValueError(f"{field}: this model has no tokenizer; pass input_ids")
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def apply_chat_template(self, messages: list[dict] | str) -> str:
+        """The tokenizer's chat template with the generation prompt (a string is one user message)."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("messages: this model's tokenizer has no chat template")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def submit(self, req: Request) -> Request:
+        """Enqueue a validated request (thread-safe)."""
+        if self._shutdown:
+            raise RuntimeError("the engine is shut down")
+        self._inbox.put(("add", req))
+        self._wakeup.set()
+        return req
+
+    def abort(self, rid: str | Request) -> None:
+        """Abort a request by id (thread-safe); its pages come back at the next round."""
+        self._inbox.put(("abort", rid))
+        self._wakeup.set()
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache. Refused (False) while requests are running or queued."""
+        with self._lock:
+            if self.scheduler.has_work() or not self._inbox.empty():
+                return False
+            self.radix.reset()
+            return True
+
+    # ------------------------------------------------------------------------------------------
+    # The loop
+    # ------------------------------------------------------------------------------------------
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._requests[item.rid] = item
+                self.scheduler.add(item)
+            else:
+                req = item if isinstance(item, Request) else self._requests.get(item)
+                if req is not None:
+                    self.scheduler.abort(req)
+
+    def step(self) -> bool:
+        """One scheduler round (drains the inbox first). Returns whether there is more work."""
+        with self._lock:
+            self._drain_inbox()
+            if self.scheduler.has_work():
+                with jax.profiler.StepTraceAnnotation("engine_step", step_num=self._steps):
+                    self.scheduler.step()
+                self._steps += 1
+                if self._profiling and self._profile_steps and self._steps >= self._profile_stop_at:
+                    self.stop_profile()
+            for rid in [rid for rid, r in self._requests.items() if r.finished]:
+                del self._requests[rid]
+            return self.scheduler.has_work() or not self._inbox.empty()
+
+    def start(self) -> None:
+        """Run the scheduler in a background thread (the server's mode)."""
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="dllm-engine-loop", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                busy = self.step()
+            except Exception as e:  # the loop never dies: fail the in-flight requests, keep serving
+                self._fail_all(e)
+                busy = False
+            if not busy:
+                self._wakeup.wait(0.05)
+                self._wakeup.clear()
+
+    def _fail_all(self, error: Exception) -> None:
+        with self._lock:
+            for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+                self.scheduler.abort(req, message=f"internal error: {type(error).__name__}: {error}")
+
+    def shutdown(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._wakeup.set()
+            self._thread.join()
+            self._thread = None
+        with self._lock:
+            self._drain_inbox()
+            for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+                self.scheduler.abort(req, message="engine shut down")
+        if self._profiling:
+            self.stop_profile()
+        self._shutdown = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    # ------------------------------------------------------------------------------------------
+    # Profiling
+    # ------------------------------------------------------------------------------------------
+    def start_profile(self, profile_dir: str | None = None, num_steps: int | None = None) -> str:
+        """Start a JAX profiler trace (perfetto) into ``profile_dir``; it stops after ``num_steps`` rounds
+        (default: the engine's ``profile_steps``; 0 = until :meth:`stop_profile`)."""
+        directory = os.path.abspath(profile_dir or self._profile_dir or "dllm_profile")
+        if self._profiling:
+            raise RuntimeError("a profile is already being recorded")
+        os.makedirs(directory, exist_ok=True)
+        jax.profiler.start_trace(directory, create_perfetto_trace=True)
+        self._profiling = True
+        self._profile_current = directory
+        steps = self._profile_steps if num_steps is None else num_steps
+        self._profile_steps = steps
+        self._profile_stop_at = self._steps + steps
+        return directory
+
+    def stop_profile(self) -> str | None:
+        if not self._profiling:
+            return None
+        jax.profiler.stop_trace()
+        self._profiling = False
+        return self._profile_current
+
+    # ------------------------------------------------------------------------------------------
+    # generate()
+    # ------------------------------------------------------------------------------------------
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, stream: bool = False, *,
+                 rid: str | list[str] | None = None):
+        """Generate for one prompt (dict result), a batch (list of dicts) or, with ``stream=True``, one prompt
+        as an iterator of committed-block chunks (``text`` / ``output_ids`` are the new part; the last chunk has
+        ``finished: True`` and the full ``meta_info``)."""
+        ids_list, single = self._inputs(prompt, input_ids)
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(ids_list):
+                raise ValueError(f"sampling_params: {len(sampling_params)} entries for {len(ids_list)} prompts")
+            params_list = sampling_params
+        else:
+            params_list = [sampling_params] * len(ids_list)
+        rids = rid if isinstance(rid, list) else [rid] * len(ids_list)
+        if stream:
+            if not single:
+                raise ValueError("stream: streaming takes a single prompt")
+            return self._stream(ids_list[0], params_list[0], rids[0])
+        watchers = []
+        reqs = []
+        for i, (ids, params) in enumerate(zip(ids_list, params_list)):
+            field = "input_ids" if single else f"input_ids[{i}]"
+            w = _Watcher()
+            reqs.append(self.make_request(ids, params, rid=rids[i], on_event=w, field=field))
+            watchers.append(w)
+        for req in reqs:
+            self.submit(req)
+        self._wait(reqs)
+        outs = [self.result(req) for req in reqs]
+        return outs[0] if single else outs
+
+    def _inputs(self, prompt, input_ids):
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("prompt / input_ids: give exactly one of them")
+        if prompt is not None:
+            if isinstance(prompt, str):
+                return [self.tokenize(prompt, "prompt")], True
+            if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+                return [self.tokenize(p, f"prompt[{i}]") for i, p in enumerate(prompt)], False
+            raise ValueError("prompt: must be a string or a non-empty list of strings")
+        if isinstance(input_ids, list) and input_ids and all(isinstance(x, list) for x in input_ids):
+            return input_ids, False
+        if isinstance(input_ids, list):
+            return [input_ids], True
+        raise ValueError("input_ids: must be a list of token ids or a list of such lists")
+
+    def _wait(self, reqs: list[Request]) -> None:
+        if self._thread is not None:
+            for req in reqs:
+                req.on_event.done.wait()
+            return
+        while not all(r.finished for r in reqs):
+            self.step()
+
+    def _stream(self, ids, params, rid) -> Iterator[dict]:
+        sink = ChunkSink(self)
+        req = self.make_request(ids, params, rid=rid, on_event=sink)
+        self.submit(req)
+        try:
+            while True:
+                try:
+                    chunk = sink.chunks.get_nowait()
+                except queue.Empty:
+                    if self._thread is None:
+                        self.step()
+                        continue
+                    try:
+                        chunk = sink.chunks.get(timeout=0.1)
+                    except queue.Empty:
+                        continue
+                yield chunk
+                if chunk["finished"]:
+                    return
+        finally:
+            if not req.finished:  # the consumer stopped early: abort, so its pages come back
+                self.abort(req)
+                if self._thread is None:
+                    self.step()
+
+    # ------------------------------------------------------------------------------------------
+    # Outputs
+    # ------------------------------------------------------------------------------------------
+    def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def _text(self, req: Request) -> str:
+        if self.tokenizer is None:
+            return ""
+        text = self._decode(req.output_ids, req.params.skip_special_tokens)
+        reason = req.finish_reason or {}
+        if reason.get("type") == "stop" and isinstance(reason.get("matched"), str):
+            cut = text.find(reason["matched"])
+            if cut >= 0:
+                text = text[:cut]
+        return text
+
+    def meta_info(self, req: Request) -> dict:
+        end = req.finish_time or time.perf_counter()
+        return {
+            "id": req.rid,
+            "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens or 0,
+            "forward_passes": req.forward_passes,
+            "finish_reason": req.finish_reason,
+            "e2e_latency": end - req.arrival_time,
+            "time_to_first_block": None if req.first_block_time is None else req.first_block_time - req.arrival_time,
+            "retractions": req.retractions,
+        }
+
+    def result(self, req: Request) -> dict:
+        return {"text": self._text(req), "output_ids": list(req.output_ids), "meta_info": self.meta_info(req)}
+
+    def chunk(self, req: Request) -> dict | None:
+        """The part of the output committed since the last chunk of this request (None if nothing new)."""
+        finished = req.finished
+        text = self._text(req)
+        if not finished and text.endswith("\ufffd"):
+            text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for the rest
+        new_ids = req.output_ids[req.emitted_tokens:]
+        new_text = text[len(req.emitted_text):] if text.startswith(req.emitted_text) else text
+        if not new_ids and not new_text and not finished:
+            return None
+        req.emitted_tokens = len(req.output_ids)
+        req.emitted_text = text
+        return {"text": new_text, "output_ids": new_ids, "finished": finished, "meta_info": self.meta_info(req)}
+
+
+class _Watcher:
+    """Per-request event sink for blocking generate(): wakes the waiter when the request finishes."""
+
+    def __init__(self):
+        self.done = threading.Event()
+
+    def __call__(self, req: Request, event: dict) -> None:
+        if req.finished:
+            self.done.set()
+
+
+class ChunkSink:
+    """Per-request event sink for streaming: builds each chunk on the engine's thread, where the request's state
+    is consistent, and queues it for the consumer (``put`` may be replaced, e.g. by an asyncio hand-off)."""
+
+    def __init__(self, engine: "Engine", put: Callable[[dict], None] | None = None):
+        self.engine = engine
+        self.chunks: queue.SimpleQueue = queue.SimpleQueue()
+        self.put = put or self.chunks.put
+
+    def __call__(self, req: Request, event: dict) -> None:
+        chunk = self.engine.chunk(req)
+        if chunk is not None:
+            self.put(chunk)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _load_algorithm_config(config) -> dict:
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        import yaml
+
+        try:
+            with open(config) as f:
+                data = yaml.safe_load(f) or {}
+        except OSError as e:
+            raise ValueError(f"algorithm_config: cannot read {config}: {e}") from e
+        if not isinstance(data, dict):
+            raise ValueError(f"algorithm_config: {config} must hold a mapping")
+        return data
+    raise ValueError(f"algorithm_config: expected a dict or a YAML path, got {type(config).__name__}")
+
+
+_default_engine: Engine | None = None
+_default_lock = threading.Lock()
+
+
+def generate(prompt: str | list[str], *, chat: bool = True, **sampling_params):
+    """One call on the shipped model: ``dllm_jax.generate("prompt", max_new_tokens=32)``.
+
+    ``chat=True`` wraps the prompt in the model's chat template (the shipped model is a chat model).
+    """
+    global _default_engine
+    with _default_lock:
+        if _default_engine is None:
+            _default_engine = Engine()
+    engine = _default_engine
+    if chat:
+        prompt = engine.apply_chat_template(prompt) if isinstance(prompt, str) else [
+            engine.apply_chat_template(p) for p in prompt]
+    return engine.generate(prompt=prompt, sampling_params=sampling_params or None)

@@ -1,0 +1,72 @@
+"""A request's host-side state: its tokens, its KV pages and its current block."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from dllm_jax.engine.sampling import SamplingParams
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"  # queued (new, or retracted and waiting to be re-admitted)
+    PREFILL = "prefill"  # admitted; complete blocks of real tokens still to encode
+    DECODE = "decode"  # admitted; its next block has positions to generate
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    on_event: Callable[["Request", dict], None] | None = None  # called with each committed chunk / the finish
+    arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
+
+    phase: Phase = Phase.WAITING
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+
+    # KV: pages[i] holds block i of the real tokens; the request owns (holds a reference on) only own_pages,
+    # the rest belong to the radix index and are kept alive by the lock on `node`.
+    pages: list[int] = dataclasses.field(default_factory=list)
+    own_pages: set[int] = dataclasses.field(default_factory=set)
+    node: Any = None
+
+    # The block being denoised (None between blocks).
+    block_tokens: np.ndarray | None = None
+    block_immutable: np.ndarray | None = None
+    block_page: int | None = None
+    block_steps: int = 0
+    algo_state: dict[str, np.ndarray] | None = None
+
+    cached_tokens: int | None = None  # the prefix matched at the first admission; never changes afterwards
+    forward_passes: int = 0  # forwards that served this request (prefill chunks and denoise steps)
+    retractions: int = 0
+    admitted_once: bool = False
+    finish_reason: dict | None = None
+    first_block_time: float | None = None
+    finish_time: float | None = None
+    emitted_tokens: int = 0
+    emitted_text: str = ""
+    text: str = ""
+
+    @property
+    def real_ids(self) -> list[int]:
+        """Prompt plus committed outputs: the tokens whose KV may be cached."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def real_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def prefix_len(self, block_size: int) -> int:
+        return len(self.pages) * block_size
+
+    @property
+    def finished(self) -> bool:
+        return self.phase is Phase.FINISHED

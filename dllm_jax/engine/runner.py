@@ -1,0 +1,193 @@
+"""The device side of the engine: owns the parameters and the KV page pool, pads host batches to buckets and
+calls the jitted functions of :mod:`dllm_jax.decode.step`.
+
+Buckets (every dimension a power of two, so a handful of executables serve all traffic):
+
+* denoise rows: 1, 2, 4, ... up to ``max_rows`` (the engine's ``max_running_requests``, rounded up);
+* prefill rows: 1, 2, 4, ... up to ``max_prefill_tokens / B``. Prefill runs one *block* per row: the blocks
+  of one request sit in consecutive rows, each row's page table lists every page before its block (earlier
+  blocks of the same call included: the model writes K/V before attending), so a whole prompt is encoded in
+  one call with exactly the block-causal mask, and many requests' prompts share a call;
+* page-table width (prefix pages per row): 1, 4, 16, ... (x4) up to ``ceil(context_length / B)``.
+
+So the executables are (rows x width) for the denoise step and for prefill: a few dozen at most.
+:meth:`ModelRunner.warmup` compiles all of them; afterwards nothing recompiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dllm_jax.decode.algorithms import Algorithm
+from dllm_jax.decode.step import DenoiseBatch, StepSpec, denoise, init_kv_pages, prefill
+from dllm_jax.cache.pages import TRASH_PAGE
+
+
+def pow2_buckets(limit: int) -> tuple[int, ...]:
+    out, b = [], 1
+    while b < limit:
+        out.append(b)
+        b *= 2
+    out.append(b)
+    return tuple(out)
+
+
+def ladder(limit: int, factor: int) -> tuple[int, ...]:
+    out, b = [], 1
+    while b < limit:
+        out.append(b)
+        b *= factor
+    out.append(limit)
+    return tuple(out)
+
+
+def pick_bucket(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass
+class PrefillRow:
+    tokens: list[int]  # one complete block of real tokens
+    prefix_pages: list[int]  # every page before this block (it may be written by an earlier row of the call)
+    write_page: int
+
+
+@dataclasses.dataclass
+class DecodeRow:
+    tokens: np.ndarray  # [B]
+    immutable: np.ndarray  # [B] bool
+    prefix_pages: list[int]
+    write_page: int
+    steps_taken: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    rng_step: int
+    algo_state: dict[str, np.ndarray] | None
+
+
+@dataclasses.dataclass
+class DecodeOutput:
+    tokens: np.ndarray  # [n, B]
+    done: np.ndarray  # [n] bool
+    steps: np.ndarray  # [n] int
+    states: list[dict[str, np.ndarray]]
+
+
+class ModelRunner:
+    def __init__(self, params, cfg, *, block_size: int, mask_id: int, algorithm: Algorithm, num_pages: int,
+                 max_rows: int, max_pages_per_row: int, max_prefill_blocks: int, loop: bool,
+                 attention_backend: str = "xla", confidence_backend: str = "xla", kv_dtype=jnp.float32):
+        self.params = params
+        self.cfg = cfg
+        self.block_size = block_size
+        self.algorithm = algorithm
+        self.row_buckets = pow2_buckets(max_rows)
+        self.width_buckets = ladder(max_pages_per_row, 4)
+        self.prefill_buckets = pow2_buckets(max_prefill_blocks)
+        self.max_prefill_blocks = self.prefill_buckets[-1]
+        self.kv_pages = init_kv_pages(cfg, num_pages, block_size, kv_dtype)
+        base = StepSpec(model=cfg, block_size=block_size, mask_id=mask_id, algorithm=algorithm,
+                        attention_backend=attention_backend, confidence_backend=confidence_backend, loop=loop)
+        self.greedy_spec = base
+        self.sampling_spec = dataclasses.replace(base, sampling=True)
+        self.prefill_spec = dataclasses.replace(base, algorithm=None)
+        self._fresh_state = {k: np.asarray(v)[0] for k, v in algorithm.init_state(1).items()}
+        self.device_calls = 0
+
+    # -------------------------------------------------------------------------------------------
+    def prefill(self, rows: list[PrefillRow]) -> None:
+        B = self.block_size
+        R = pick_bucket(len(rows), self.prefill_buckets)
+        W = pick_bucket(max(1, max(len(r.prefix_pages) for r in rows)), self.width_buckets)
+        tokens = np.zeros((R, B), np.int32)
+        table = np.full((R, W), TRASH_PAGE, np.int32)
+        prefix = np.zeros((R,), np.int32)
+        write = np.full((R, 1), TRASH_PAGE, np.int32)
+        for i, r in enumerate(rows):
+            tokens[i] = r.tokens
+            table[i, : len(r.prefix_pages)] = r.prefix_pages
+            prefix[i] = len(r.prefix_pages) * B
+            write[i, 0] = r.write_page
+        self.kv_pages = prefill(self.params, self.kv_pages, tokens, table, prefix, write, spec=self.prefill_spec)
+        self.device_calls += 1
+
+    def denoise(self, rows: list[DecodeRow]) -> DecodeOutput:
+        B = self.block_size
+        n = len(rows)
+        R = pick_bucket(n, self.row_buckets)
+        W = pick_bucket(max(1, max(len(r.prefix_pages) for r in rows)), self.width_buckets)
+        tokens = np.zeros((R, B), np.int32)
+        immutable = np.ones((R, B), np.bool_)
+        table = np.full((R, W), TRASH_PAGE, np.int32)
+        prefix = np.zeros((R,), np.int32)
+        write = np.full((R,), TRASH_PAGE, np.int32)
+        steps_taken = np.zeros((R,), np.int32)
+        temperature = np.zeros((R,), np.float32)
+        top_k = np.full((R,), -1, np.int32)
+        top_p = np.ones((R,), np.float32)
+        seed = np.zeros((R,), np.uint32)
+        rng_step = np.zeros((R,), np.int32)
+        state = {k: np.repeat(v[None], R, axis=0) for k, v in self._fresh_state.items()}
+        for i, r in enumerate(rows):
+            tokens[i] = r.tokens
+            immutable[i] = r.immutable
+            table[i, : len(r.prefix_pages)] = r.prefix_pages
+            prefix[i] = len(r.prefix_pages) * B
+            write[i] = r.write_page
+            steps_taken[i] = r.steps_taken
+            temperature[i] = r.temperature
+            top_k[i] = r.top_k
+            top_p[i] = r.top_p
+            seed[i] = r.seed
+            rng_step[i] = r.rng_step
+            if r.algo_state is not None:
+                for k, v in r.algo_state.items():
+                    state[k][i] = v
+        sampling = bool(np.any((temperature > 0) & (top_k != 1)))
+        batch = DenoiseBatch(tokens=tokens, immutable=immutable, page_table=table, prefix_len=prefix,
+                             write_page=write, steps_taken=steps_taken, temperature=temperature, top_k=top_k,
+                             top_p=top_p, seed=seed, rng_step=rng_step)
+        spec = self.sampling_spec if sampling else self.greedy_spec
+        self.kv_pages, result = denoise(self.params, self.kv_pages, batch, state, spec=spec)
+        self.device_calls += 1
+        result = jax.device_get(result)  # the one host sync of this step
+        states = [{k: v[i] for k, v in result.state.items()} for i in range(n)]
+        return DecodeOutput(tokens=np.asarray(result.tokens[:n]), done=np.asarray(result.done[:n]),
+                            steps=np.asarray(result.steps[:n]), states=states)
+
+    # -------------------------------------------------------------------------------------------
+    def warmup(self, *, sampling: bool = False) -> int:
+        """Compile every bucket now (padding rows only: writes land in the trash page). Returns the count."""
+        B = self.block_size
+        count = 0
+        for R, W in itertools.product(self.row_buckets, self.width_buckets):
+            rows = [DecodeRow(tokens=np.zeros(B, np.int32), immutable=np.ones(B, np.bool_),
+                              prefix_pages=[TRASH_PAGE] * W, write_page=TRASH_PAGE, steps_taken=0,
+                              temperature=0.0, top_k=-1, top_p=1.0, seed=0, rng_step=0, algo_state=None)] * R
+            self.denoise(rows)
+            count += 1
+            if sampling:
+                rows = [dataclasses.replace(rows[0], temperature=1.0)] * R
+                self.denoise(rows)
+                count += 1
+        for R, W in itertools.product(self.prefill_buckets, self.width_buckets):
+            self.prefill([PrefillRow(tokens=[0] * B, prefix_pages=[TRASH_PAGE] * W, write_page=TRASH_PAGE)] * R)
+            count += 1
+        jax.block_until_ready(self.kv_pages)
+        return count
+
+    @staticmethod
+    def compiled_executables() -> int:
+        """How many executables the step functions hold (a test asserts it stops growing after warm-up)."""
+        return denoise._cache_size() + prefill._cache_size()

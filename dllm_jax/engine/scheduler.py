@@ -1,0 +1,379 @@
+"""The host-side scheduler: admission with prefix reuse, multi-block prefill, FDFO / synchronous denoise rounds,
+retraction under memory pressure, abort, stop conditions.
+
+One call of :meth:`Scheduler.step` is one round:
+
+1. admit waiting requests (radix match first, then classification: prefill if a complete block of real tokens
+   is not yet encoded, else decode) while rows and pages allow;
+2. a prefill forward over the complete prompt (or re-encoded output) blocks of admitted requests, as many blocks
+   per row as the prefill budget allows (block-causal inside the chunk);
+3. a denoise call over every decoding row: one step (FDFO: rows whose block resolves leave, others carry their
+   partial block and algorithm state to the next round, new rows may join) or the whole block loop on the device
+   (sync);
+4. commit resolved blocks: outputs, stop conditions, radix insertion of the complete real blocks.
+
+Invariant kept at every step boundary: each KV page is free, owned by exactly one request (``own_pages``), or held
+by the radix index (kept alive for a request by the lock on its ``node``).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+
+from dllm_jax.cache.pages import OutOfPages, PageAllocator
+from dllm_jax.cache.radix import BlockRadixIndex
+from dllm_jax.engine.request import Phase, Request
+from dllm_jax.engine.runner import DecodeRow, ModelRunner, PrefillRow
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, allocator: PageAllocator, radix: BlockRadixIndex, *, block_size: int,
+                 mask_id: int, eos_token_ids: tuple[int, ...], max_running_requests: int, context_length: int,
+                 max_prefill_blocks: int, decode_text: Callable[[list[int], bool], str] | None = None):
+        self.runner = runner
+        self.allocator = allocator
+        self.radix = radix
+        self.B = block_size
+        self.mask_id = mask_id
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_running = max_running_requests
+        self.context_length = context_length
+        self.max_prefill_blocks = max_prefill_blocks
+        self.decode_text = decode_text
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.stats = collections.Counter()
+
+    # ------------------------------------------------------------------------------------------
+    # Public
+    # ------------------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+        self.stats["requests"] += 1
+        self.stats["prompt_tokens"] += len(req.prompt_ids)
+
+    def abort(self, req: Request, message: str = "aborted") -> None:
+        """Abort a queued or running request; its pages are released exactly once. No-op once finished."""
+        if req.finished:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req, {"type": "abort", "message": message}, insert=False)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> None:
+        with jax.profiler.TraceAnnotation("schedule"):
+            self._admit()
+        prefill_reqs = [r for r in self.running if r.phase is Phase.PREFILL]
+        if prefill_reqs:
+            self._prefill_round(prefill_reqs)
+        decode_reqs = [r for r in self.running if r.phase is Phase.DECODE]
+        if decode_reqs:
+            self._decode_round(decode_reqs)
+
+    # ------------------------------------------------------------------------------------------
+    # Admission
+    # ------------------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        B = self.B
+        while self.waiting and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            real = req.real_ids
+            with jax.profiler.TraceAnnotation("radix.match"):
+                match = self.radix.match(real, len(real))
+            self.radix.lock(match.node)
+            # Pages this request needs before its first denoise step: the uncached complete blocks plus one.
+            need = len(real) // B - len(match.pages) + 1
+            available = self.allocator.num_free + self.radix.evictable
+            if need > available and self.running:
+                self.radix.unlock(match.node)
+                break  # wait until running requests release pages
+            self.waiting.popleft()
+            if need > self.allocator.capacity:
+                self.radix.unlock(match.node)
+                self._finish(req, {"type": "abort", "message": f"the request needs {need} KV pages but the pool "
+                                                               f"holds {self.allocator.capacity}; raise num_kv_pages"},
+                             insert=False)
+                continue
+            req.node = match.node
+            req.pages = list(match.pages)
+            req.own_pages = set()
+            if req.cached_tokens is None:
+                req.cached_tokens = match.matched_len
+                self.stats["cached_tokens"] += match.matched_len
+            req.admitted_once = True
+            self.running.append(req)
+            self._classify(req)
+
+    def _classify(self, req: Request) -> None:
+        """Prefill iff the next block consists only of real tokens (whatever their values); after the match."""
+        req.phase = Phase.PREFILL if req.prefix_len(self.B) + self.B <= req.real_len else Phase.DECODE
+
+    # ------------------------------------------------------------------------------------------
+    # Pages
+    # ------------------------------------------------------------------------------------------
+    def _alloc(self, n: int, requester: Request) -> list[int] | None:
+        """n pages: free ones, then evicted cache, then retracted requests (newest first). None if the requester
+        itself had to be retracted or nothing else can give way."""
+        if not self.allocator.can_alloc(n):
+            with jax.profiler.TraceAnnotation("radix.evict"):
+                self.radix.evict(n - self.allocator.num_free)
+        while not self.allocator.can_alloc(n):
+            victims = [r for r in self.running if r is not requester]
+            if not victims:
+                self._finish(requester, {"type": "abort", "message": "out of KV pages: the request does not fit "
+                                                                     "in the page pool; raise num_kv_pages"},
+                             insert=True)
+                return None
+            self._retract(victims[-1])
+            self.radix.evict(n - self.allocator.num_free)
+        try:
+            return self.allocator.alloc(n)
+        except OutOfPages:  # pragma: no cover - guarded by can_alloc above
+            return None
+
+    def _retract(self, req: Request) -> None:
+        """Give a running request's pages back; it keeps its committed outputs and is re-admitted later, when its
+        complete blocks are matched from the cache or re-encoded."""
+        self.stats["retractions"] += 1
+        req.retractions += 1
+        self._release(req, insert=True)
+        self.running.remove(req)
+        req.phase = Phase.WAITING
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Request, *, insert: bool) -> None:
+        """Drop every page reference and lock the request holds (its committed complete blocks stay cached)."""
+        if insert and req.pages:
+            self._insert(req)
+        if req.node is not None:
+            self.radix.unlock(req.node)
+            req.node = None
+        own = set(req.own_pages)
+        if req.block_page is not None:
+            own.add(req.block_page)
+        if own:
+            self.allocator.free(sorted(own))
+        req.pages, req.own_pages = [], set()
+        req.block_page = req.block_tokens = req.block_immutable = req.algo_state = None
+        req.block_steps = 0
+
+    def _insert(self, req: Request) -> None:
+        """Cache the request's complete real blocks and move its lock to the deepest of them."""
+        prefix = req.prefix_len(self.B)
+        with jax.profiler.TraceAnnotation("radix.insert"):
+            result = self.radix.insert_and_match(req.real_ids[:prefix], req.pages)
+        if not self.radix.enabled:
+            return
+        taken = set(req.pages)
+        req.pages = result.pages
+        req.own_pages -= taken
+        self.radix.lock(result.node)
+        if req.node is not None:
+            self.radix.unlock(req.node)
+        req.node = result.node
+
+    # ------------------------------------------------------------------------------------------
+    # Prefill
+    # ------------------------------------------------------------------------------------------
+    def _prefill_round(self, reqs: list[Request]) -> None:
+        """Encode complete blocks of real tokens, up to the prefill budget, one block per row, in one forward."""
+        B = self.B
+        budget = self.max_prefill_blocks
+        planned: list[tuple[Request, int]] = []
+        for req in reqs:
+            if budget == 0:
+                break
+            n = min(req.real_len // B - len(req.pages), budget)
+            planned.append((req, n))
+            budget -= n
+        allocated: list[tuple[Request, list[int]]] = []
+        for req, n in planned:
+            if req.phase is not Phase.PREFILL:
+                continue  # retracted while pages were found for an earlier request
+            pages = self._alloc(n, req)
+            if pages is not None:
+                req.own_pages.update(pages)
+                allocated.append((req, pages))
+        allocated = [(req, pages) for req, pages in allocated if req.phase is Phase.PREFILL]
+        if not allocated:
+            return
+        rows = []
+        for req, pages in allocated:
+            real, prefix_pages = req.real_ids, list(req.pages)
+            for page in pages:
+                start = len(prefix_pages) * B
+                rows.append(PrefillRow(tokens=real[start:start + B], prefix_pages=list(prefix_pages),
+                                       write_page=page))
+                prefix_pages.append(page)
+        with jax.profiler.TraceAnnotation("prefill"):
+            self.runner.prefill(rows)
+        self.stats["prefill_forwards"] += 1
+        for req, pages in allocated:
+            req.pages.extend(pages)
+            req.forward_passes += 1
+            self._insert(req)
+            self._classify(req)
+
+    # ------------------------------------------------------------------------------------------
+    # Denoise
+    # ------------------------------------------------------------------------------------------
+    def _start_block(self, req: Request) -> bool:
+        B = self.B
+        offset = req.prefix_len(B)
+        if offset + B > self.context_length:
+            self._finish(req, {"type": "length", "length": len(req.output_ids), "message": "context length reached"},
+                         insert=True)
+            return False
+        pages = self._alloc(1, req)
+        if pages is None:
+            return False
+        real = req.real_ids
+        n_imm = max(0, min(B, len(real) - offset))
+        tokens = np.full((B,), self.mask_id, np.int32)
+        tokens[:n_imm] = real[offset:offset + n_imm]
+        immutable = np.zeros((B,), np.bool_)
+        immutable[:n_imm] = True
+        req.block_tokens, req.block_immutable, req.block_page = tokens, immutable, pages[0]
+        req.block_steps, req.algo_state = 0, None
+        return True
+
+    def _decode_round(self, reqs: list[Request]) -> None:
+        for req in reqs:
+            if req.block_tokens is None and req.phase is Phase.DECODE:
+                self._start_block(req)
+        reqs = [r for r in reqs if r.phase is Phase.DECODE and r.block_tokens is not None]
+        if not reqs:
+            return
+        rows = [DecodeRow(tokens=r.block_tokens, immutable=r.block_immutable, prefix_pages=r.pages,
+                          write_page=r.block_page, steps_taken=r.block_steps, temperature=r.params.temperature,
+                          top_k=r.params.top_k, top_p=r.params.top_p, seed=r.seed,
+                          rng_step=self._rng_step(r),
+                          algo_state=r.algo_state) for r in reqs]
+        with jax.profiler.TraceAnnotation("denoise_step"):
+            out = self.runner.denoise(rows)
+        self.stats["denoise_calls"] += 1
+        self.stats["denoise_forwards"] += int(out.steps.max())
+        with jax.profiler.TraceAnnotation("commit"):
+            for i, req in enumerate(reqs):
+                steps = int(out.steps[i])
+                req.forward_passes += steps
+                req.block_steps += steps
+                if out.done[i]:
+                    self._commit_block(req, out.tokens[i])
+                else:
+                    req.block_tokens, req.algo_state = out.tokens[i], out.states[i]
+
+    def _rng_step(self, req: Request) -> int:
+        """Where this step sits in the request's generation (block index, step in block): folded into the sampling
+        key, so a seeded request draws the same tokens whatever its batch, cache hits or retractions."""
+        return req.prefix_len(self.B) // self.B * 4096 + req.block_steps
+
+    def _commit_block(self, req: Request, tokens: np.ndarray) -> None:
+        B = self.B
+        n_imm = int(req.block_immutable.sum())
+        new = [int(t) for t in tokens[n_imm:]]
+        if req.first_block_time is None:
+            req.first_block_time = time.perf_counter()
+        finish = self._append_outputs(req, new)
+        if req.real_len >= req.prefix_len(B) + B:  # the block is complete real tokens: keep its KV
+            req.pages.append(req.block_page)
+            req.own_pages.add(req.block_page)
+            req.block_page = None
+            self._insert(req)
+        req.block_tokens = req.block_immutable = req.algo_state = None
+        req.block_steps = 0
+        if finish is not None:
+            self._finish(req, finish, insert=True)
+        else:
+            self._emit(req)
+            self._classify(req)
+
+    def _append_outputs(self, req: Request, new: list[int]) -> dict | None:
+        """Append a committed block's new tokens; apply max_new_tokens, EOS / stop ids and stop strings."""
+        params = req.params
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        finish = None
+        start = len(req.output_ids)
+        for tok in new:
+            req.output_ids.append(tok)
+            if tok in stop_ids:
+                finish = {"type": "stop", "matched": tok}
+                break
+            if len(req.output_ids) >= params.max_new_tokens:
+                finish = {"type": "length", "length": params.max_new_tokens}
+                break
+        self.stats["generation_tokens"] += len(req.output_ids) - start
+        if params.stop and self.decode_text is not None:
+            hit = self._find_stop_string(req, start)
+            if hit is not None:
+                finish = hit
+        return finish
+
+    def _find_stop_string(self, req: Request, start: int) -> dict | None:
+        """Earliest stop string completed by the new tokens; outputs are cut right after the token completing it."""
+        text = self.decode_text(req.output_ids, req.params.skip_special_tokens)
+        best = None
+        for s in req.params.stop:
+            i = text.find(s)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return None
+        pos, s = best
+        for n in range(max(start, 0) + 1, len(req.output_ids) + 1):
+            if s in self.decode_text(req.output_ids[:n], req.params.skip_special_tokens):
+                del req.output_ids[n:]
+                break
+        req.text = text[:pos]
+        return {"type": "stop", "matched": s}
+
+    # ------------------------------------------------------------------------------------------
+    # Finish
+    # ------------------------------------------------------------------------------------------
+    def _finish(self, req: Request, reason: dict, *, insert: bool) -> None:
+        if req.finished:
+            return
+        if req in self.running:
+            self._release(req, insert=insert)
+            self.running.remove(req)
+        else:
+            self._release(req, insert=False)
+        req.phase = Phase.FINISHED
+        req.finish_reason = reason
+        req.finish_time = time.perf_counter()
+        self.stats["finished"] += 1
+        self._emit(req)
+
+    def _emit(self, req: Request) -> None:
+        if req.on_event is not None:
+            req.on_event(req, {})
+
+    # ------------------------------------------------------------------------------------------
+    # Checks (tests call this after every run)
+    # ------------------------------------------------------------------------------------------
+    def check_pages(self) -> None:
+        """Every page is exactly one of free / owned by one request / held by the radix index."""
+        holders = collections.Counter()
+        for req in self.running:
+            for p in req.own_pages:
+                holders[p] += 1
+            if req.block_page is not None:
+                holders[req.block_page] += 1
+        tree_pages = self.radix.pages() if self.radix.enabled else set()
+        for p in tree_pages:
+            holders[p] += 1
+        for page in range(1, self.allocator.capacity + 1):
+            ref = self.allocator.refcount(page)
+            assert ref == holders[page], f"page {page}: refcount {ref} but {holders[page]} holder(s)"
+        self.radix.check_invariants()
+        assert self.radix.evictable + self.radix.protected == self.radix.total == len(tree_pages)
