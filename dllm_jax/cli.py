@@ -1,0 +1,192 @@
+"""``dllm-jax``: generate | serve | eval | bench | convert.
+
+Engine options are shared by every subcommand that builds an engine (:func:`add_engine_arguments`), so
+``dllm-jax serve`` and ``dllm-jax generate`` accept the same flags as ``Engine(...)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model-path", default=None, help="HF or converted model directory (default: the shipped model)")
+    g.add_argument("--block-size", type=int, default=None, help="block size (default: the model's)")
+    g.add_argument("--algorithm", default="LowConfidence",
+                   help="decoding algorithm: LowConfidence, JointThreshold, JointThresholdInDel, EBSampling, "
+                        "EntropyThreshold")
+    g.add_argument("--algorithm-config", default=None,
+                   help="YAML file or inline JSON object with the algorithm's options, e.g. '{\"threshold\": 0.9}'")
+    g.add_argument("--schedule", choices=("fdfo", "sync"), default="fdfo")
+    g.add_argument("--disable-prefix-cache", action="store_true")
+    g.add_argument("--max-running-requests", type=int, default=None)
+    g.add_argument("--num-kv-pages", type=int, default=None)
+    g.add_argument("--context-length", type=int, default=None)
+    g.add_argument("--max-prefill-tokens", type=int, default=None)
+    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
+    g.add_argument("--attention-backend", choices=("auto", "pallas", "xla"), default="auto")
+    g.add_argument("--confidence-backend", choices=("auto", "pallas", "xla"), default="auto")
+    g.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1)
+    g.add_argument("--profile-dir", default=None, help="write a JAX profiler (perfetto) trace of the first steps here")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--warmup", action="store_true", help="compile every shape bucket before serving")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    config = args.algorithm_config
+    if config is not None and config.lstrip().startswith("{"):
+        config = json.loads(config)
+    kwargs = dict(model_path=args.model_path, block_size=args.block_size, algorithm=args.algorithm,
+                  algorithm_config=config, schedule=args.schedule, enable_prefix_cache=not args.disable_prefix_cache,
+                  dtype=args.dtype, attention_backend=args.attention_backend,
+                  confidence_backend=args.confidence_backend, tensor_parallel_size=args.tensor_parallel_size,
+                  profile_dir=args.profile_dir, seed=args.seed, warmup=args.warmup)
+    for name in ("max_running_requests", "num_kv_pages", "context_length", "max_prefill_tokens"):
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
+    return kwargs
+
+
+def build_engine(args: argparse.Namespace):
+    from dllm_jax.engine import Engine
+
+    return Engine(**engine_kwargs(args))
+
+
+# ----------------------------------------------------------------------------------------------
+def cmd_generate(args) -> int:
+    engine = build_engine(args)
+    prompts = list(args.prompt)
+    if args.file:
+        with open(args.file) as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        print("dllm-jax generate: give a prompt or --file", file=sys.stderr)
+        return 2
+    texts = [p if args.raw else engine.apply_chat_template(p) for p in prompts]
+    params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
+    if args.seed_sampling is not None:
+        params["seed"] = args.seed_sampling
+    if len(texts) == 1 and not args.json:
+        for chunk in engine.generate(prompt=texts[0], sampling_params=params, stream=True):
+            print(chunk["text"], end="", flush=True)
+        print()
+        engine.shutdown()
+        return 0
+    from tqdm import tqdm
+
+    results = [None] * len(texts)
+    with tqdm(total=len(texts), desc="generating", unit="prompt", disable=not sys.stderr.isatty() and not args.progress,
+              file=sys.stderr) as bar:
+        reqs = []
+        for i, text in enumerate(texts):
+            req = engine.make_request(engine.tokenize(text, f"prompt[{i}]"), params)
+            reqs.append(engine.submit(req))
+        done = set()
+        while len(done) < len(reqs):
+            engine.step()
+            for i, req in enumerate(reqs):
+                if req.finished and i not in done:
+                    done.add(i)
+                    results[i] = engine.result(req)
+                    bar.update(1)
+    for prompt, res in zip(prompts, results):
+        if args.json:
+            print(json.dumps({"prompt": prompt, **res}))
+        else:
+            print(res["text"])
+    engine.shutdown()
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from dllm_jax.model.loader import convert_to_orbax
+
+    convert_to_orbax(args.hf_dir, args.out_dir, dtype=args.dtype)
+    print(f"wrote {args.out_dir}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from dllm_jax.evaluate import evaluate, format_report
+
+    algorithm_config = {"threshold": args.threshold}
+    args.algorithm_config = json.dumps(algorithm_config) if args.algorithm_config is None else args.algorithm_config
+    if args.block_size is None:
+        args.block_size = 32
+    engine = build_engine(args)
+
+    def generate_fn(prompts, block_size, threshold):
+        outs = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": args.max_new_tokens})
+        return [(o["output_ids"], o["meta_info"]["forward_passes"]) for o in outs]
+
+    result = evaluate(generate_fn, num_prompts=args.num_prompts, block_size=engine.block_size,
+                      threshold=args.threshold, tokenizer=engine.tokenizer)
+    result["algorithm"] = args.algorithm
+    result["schedule"] = engine.schedule
+    print(format_report(result))
+    engine.shutdown()
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="dllm-jax", description="Serve block-diffusion language models with JAX.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text (streams a single prompt)")
+    g.add_argument("prompt", nargs="*", help="prompt(s); wrapped in the chat template unless --raw")
+    g.add_argument("--file", help="one prompt per line")
+    g.add_argument("--raw", action="store_true", help="send the prompt as is (no chat template)")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed-sampling", type=int, default=None, help="sampling seed for every request")
+    g.add_argument("--json", action="store_true", help="print one JSON result per prompt")
+    g.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
+    add_engine_arguments(g)
+    g.set_defaults(fn=cmd_generate)
+
+    c = sub.add_parser("convert", help="convert a HF safetensors directory to an Orbax checkpoint directory")
+    c.add_argument("hf_dir")
+    c.add_argument("out_dir")
+    c.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    c.set_defaults(fn=cmd_convert)
+
+    e = sub.add_parser("eval", help="exact-match accuracy and tokens per forward on the held-out tasks")
+    e.add_argument("--num-prompts", type=int, default=200)
+    e.add_argument("--threshold", type=float, default=0.9, help="the algorithm's threshold")
+    e.add_argument("--max-new-tokens", type=int, default=256)
+    add_engine_arguments(e)
+    e.set_defaults(fn=cmd_eval)
+
+    try:
+        from serve.cli import add_arguments as add_serve_arguments, main as serve_main
+    except ImportError:  # fastapi / uvicorn missing (e.g. a GPU box): every other command still works
+        add_serve_arguments = serve_main = None
+    if add_serve_arguments is not None:
+        s = sub.add_parser("serve", help="HTTP server (SGLang- and OpenAI-style endpoints)")
+        add_serve_arguments(s)
+        add_engine_arguments(s)
+        s.set_defaults(fn=serve_main)
+
+    try:
+        from bench.cli import add_arguments as add_bench_arguments, main as bench_main
+    except ImportError:
+        add_bench_arguments = bench_main = None
+    if add_bench_arguments is not None:
+        b = sub.add_parser("bench", help="benchmarks (tables, JSON and PNG plots)")
+        add_bench_arguments(b)
+        b.set_defaults(fn=bench_main)
+
+    args = p.parse_args(argv)
+    try:
+        return args.fn(args) or 0
+    except ValueError as err:
+        print(f"dllm-jax {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
