@@ -225,3 +225,38 @@ def test_pages_checked_after_mixed_run(tiny_model, make_engine):
     engine = make_engine(tiny_model, max_running_requests=3, num_kv_pages=10)
     engine.generate(input_ids=[list(p) for p in PROMPTS], sampling_params=GREEDY)
     assert_pages_back(engine)
+
+
+ALGOS = [("LowConfidence", {}), ("JointThreshold", {}), ("JointThreshold", {"penalty_lambda": 1.0}),
+         ("EBSampling", {}), ("EntropyThreshold", {}),
+         ("JointThresholdInDel", {"delete_token_id": 61, "split_token_id": 62, "max_post_edit_steps": 3})]
+
+
+@pytest.mark.parametrize("name,config", ALGOS, ids=[f"{a}{'+' if c else ''}" for a, c in ALGOS])
+def test_every_algorithm_same_in_both_schedules(tiny_model, make_engine, name, config):
+    prompts = [[M, 2], [M, 2, M, 3], [5, 6, 7, 8, 9, 10], [3, 4]]
+    params = {"max_new_tokens": 10, "ignore_eos": True}
+    fdfo = make_engine(tiny_model, algorithm=name, algorithm_config=config, schedule="fdfo")
+    sync = make_engine(tiny_model, algorithm=name, algorithm_config=config, schedule="sync")
+    a = fdfo.generate(input_ids=prompts, sampling_params=params)
+    b = sync.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in a] == [o["output_ids"] for o in b]
+    for o in a:
+        assert len(o["output_ids"]) == 10 and M not in o["output_ids"]
+        if name == "JointThresholdInDel":
+            assert not {61, 62} & set(o["output_ids"])
+
+
+def test_sampled_joint_threshold_ignores_post_edit_budget(tiny_model, make_engine):
+    params = {"max_new_tokens": 12, "ignore_eos": True, "temperature": 1.0, "seed": 3}
+    outs = []
+    for budget in (16, 64):
+        engine = make_engine(tiny_model, algorithm="JointThreshold", algorithm_config={"max_post_edit_steps": budget})
+        outs.append(engine.generate(input_ids=PROMPTS[0], sampling_params=params)["output_ids"])
+    assert outs[0] == outs[1]
+
+
+def test_top_k_one_is_greedy(tiny_model, make_engine, naive_outputs):
+    engine = make_engine(tiny_model)
+    out = engine.generate(input_ids=PROMPTS[0], sampling_params={**GREEDY, "temperature": 2.0, "top_k": 1})
+    assert out["output_ids"] == naive_outputs[0]

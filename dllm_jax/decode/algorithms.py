@@ -39,6 +39,18 @@ class Candidates:
     sampled: jax.Array | None = None  # [R] bool: rows whose tokens were drawn rather than argmax
 
 
+def greedy_candidates(logits, mask_id, *, with_logits: bool = True) -> Candidates:
+    """Candidates straight from ``[R, B, V]`` logits (mask id excluded): the XLA path's figures, and what the
+    unit tests feed the algorithms."""
+    logits = logits.astype(jnp.float32).at[..., mask_id].set(-jnp.inf)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    probs = jnp.exp(logits - lse[..., None])
+    entropy = -jnp.sum(jnp.where(probs > 0, probs * (logits - lse[..., None]), 0.0), axis=-1)
+    return Candidates(tokens=jnp.argmax(logits, axis=-1).astype(jnp.int32),
+                      confidence=jnp.exp(jnp.max(logits, axis=-1) - lse), entropy=entropy,
+                      logits=logits if with_logits else None)
+
+
 def positions_to_decode(ids, immutable, mask_id):
     return (ids == mask_id) & ~immutable
 
@@ -90,7 +102,7 @@ class Algorithm:
         """Forwards a block may take before the step function forces it to finish (a safety net only)."""
         return block_size + 1
 
-    def init_state(self, num_rows: int) -> State:
+    def init_state(self, num_rows: int, block_size: int) -> State:
         return {}
 
     def step(self, ids, immutable, cand: Candidates, state: State, mask_id: int):
@@ -152,7 +164,7 @@ class JointThreshold(Algorithm):
     def max_steps(self, block_size):
         return block_size + self.config.max_post_edit_steps + 1
 
-    def init_state(self, num_rows):
+    def init_state(self, num_rows, block_size):
         return {"post_edit_steps": jnp.zeros((num_rows,), jnp.int32), "finished": jnp.zeros((num_rows,), jnp.bool_)}
 
     def step(self, ids, immutable, cand, state, mask_id):
@@ -234,8 +246,178 @@ class EntropyThreshold(Algorithm):
         return jnp.where(commit, cand.tokens, ids), done, state
 
 
+# ----------------------------------------------------------------------------------------------
+# JointThresholdInDel (LLaDA2.2 InDel: JointThreshold plus delete / split edit tokens)
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class JointThresholdInDelConfig:
+    threshold: float = 0.5
+    edit_threshold: float = 0.0
+    max_post_edit_steps: int = 16
+    delete_token_id: int | None = None
+    split_token_id: int | None = None
+
+
+_HASH_MULT = 0x9E3779B1
+
+
+def _block_hash(ids):
+    """A 32-bit polynomial hash per row: "has this exact block been the input before?" (anti-loop)."""
+    powers = jnp.cumprod(jnp.full((ids.shape[-1],), _HASH_MULT, jnp.uint32))
+    return jnp.sum(ids.astype(jnp.uint32) * powers, axis=-1, dtype=jnp.uint32)
+
+
+def apply_edit_operations(old, selected, immutable, is_orig, *, mask_id, delete_id, split_id):
+    """Rebuild blocks after structural edits: per generated position, DELETE drops it, SPLIT becomes
+    ``[MASK, old token]`` (the new mask is not an original one), anything else is kept; immutable positions are
+    copied unchanged; the result is cut or right-padded with masks to the block size. Returns (ids, is_orig)."""
+    rows, block = old.shape
+    sel = jnp.where(immutable, old, selected)
+    width = jnp.where(immutable, 1, jnp.where(sel == delete_id, 0, jnp.where(sel == split_id, 2, 1)))
+    start = jnp.cumsum(width, axis=-1) - width
+    sink = 2 * block  # scatter target for dropped writes
+    r = jnp.arange(rows)[:, None]
+    first_idx = jnp.where(width > 0, start, sink)
+    first_val = jnp.where(width == 2, mask_id, sel)
+    first_flag = jnp.where(width == 2, False, is_orig)
+    second_idx = jnp.where(width == 2, start + 1, sink)
+    ids = jnp.full((rows, sink + 1), mask_id, old.dtype)
+    flags = jnp.zeros((rows, sink + 1), jnp.bool_)
+    ids = ids.at[r, first_idx].set(first_val).at[r, second_idx].set(old)
+    flags = flags.at[r, first_idx].set(first_flag).at[r, second_idx].set(is_orig)
+    ids = ids.at[:, sink].set(mask_id)
+    return ids[:, :block], flags[:, :block]
+
+
+class JointThresholdInDel(Algorithm):
+    """JointThreshold for models trained with insertion / deletion (SGLang's PR #31773, section 2.4 of the
+    reference): a selected DELETE token removes its position, SPLIT inserts a mask before the old token. Original
+    masks are resolved at least one per step (``1 + introduced`` transfers while original masks remain), a
+    final cleanup replaces any selected MASK / DELETE / SPLIT by the best other token, and an anti-loop rule
+    re-draws one changing position (excluding every token already written there) when an input block repeats.
+    The prompt is taken from the explicit ``immutable`` mask, never guessed from the block's contents.
+    """
+
+    name = "JointThresholdInDel"
+    Config = JointThresholdInDelConfig
+    needs_logits = True
+
+    @classmethod
+    def from_model_config(cls, config: dict, model_config) -> dict:
+        config = dict(config)
+        for key in ("delete_token_id", "split_token_id"):
+            if config.get(key) is None and model_config is not None:
+                config[key] = getattr(model_config, key, None)
+            value = config.get(key)
+            if value is None:
+                raise ValueError(f"algorithm_config.{key}: JointThresholdInDel requires delete_token_id and "
+                                 f"split_token_id (in the model's config.json or the algorithm config)")
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"algorithm_config.{key}: must be a token id, got {value!r}")
+        return config
+
+    def max_regular_update_steps(self, block_size):
+        return block_size + self.config.max_post_edit_steps
+
+    def max_steps(self, block_size):
+        return block_size + self.config.max_post_edit_steps + 2
+
+    def init_state(self, num_rows, block_size):
+        history = self.max_steps(block_size) + 1
+        return {"num_update_steps": jnp.zeros((num_rows,), jnp.int32),
+                "post_edit_steps": jnp.zeros((num_rows,), jnp.int32),
+                "finished": jnp.zeros((num_rows,), jnp.bool_),
+                "is_orig_mask": jnp.zeros((num_rows, block_size), jnp.bool_),
+                "seen": jnp.zeros((num_rows, history), jnp.uint32),
+                "written": jnp.full((num_rows, block_size, history), -1, jnp.int32)}
+
+    def step(self, ids, immutable, cand, state, mask_id):
+        cfg = self.config
+        rows, block = ids.shape
+        logits = cand.logits  # mask id already at -inf
+        first = state["num_update_steps"] == 0
+        masked = positions_to_decode(ids, immutable, mask_id)
+        is_orig = jnp.where(first[:, None], masked, state["is_orig_mask"])
+        x, p = cand.tokens, cand.confidence
+        n_masked = masked.sum(-1)
+        n_orig = (is_orig & masked).sum(-1)
+        introduced = n_masked - n_orig
+        was_finished = state["finished"]
+        active = ~was_finished
+        num_update = state["num_update_steps"] + active
+        post = state["post_edit_steps"] + (active & (n_orig == 0))
+        mpes = cfg.max_post_edit_steps
+        if mpes > 0:
+            cleanup = post >= mpes
+        else:
+            cleanup = n_orig == 0
+        cleanup |= num_update > self.max_regular_update_steps(block)
+
+        # M2T: cleanup -> every mask; original masks left -> at least 1 + introduced; else every mask.
+        above = masked & (p > cfg.threshold)
+        need = jnp.minimum(1 + introduced, n_masked)
+        rank = jnp.argsort(jnp.argsort(-jnp.where(masked, p, NEG_INF), axis=-1, stable=True), axis=-1)
+        top_need = masked & (rank < need[:, None])
+        regular = jnp.where((above.sum(-1) >= need)[:, None], above, top_need)
+        m2t = jnp.where((cleanup | (n_orig == 0))[:, None], masked, regular)
+        if mpes == 0:
+            covers = ~jnp.any(is_orig & masked & ~m2t, axis=-1)
+            cleanup |= covers & (n_orig > 0)
+        t2t = ~masked & ~immutable & (p > cfg.edit_threshold) & (ids != x)
+        if cand.sampled is not None:
+            t2t &= ~cand.sampled[:, None]
+        write = (m2t | t2t) & active[:, None]
+        nothing = ~jnp.any(write, axis=-1)
+
+        # Cleanup: never write MASK / DELETE / SPLIT.
+        structural = (x == cfg.delete_token_id) | (x == cfg.split_token_id) | (x == mask_id)
+        clean_logits = logits.at[..., cfg.delete_token_id].set(-jnp.inf).at[..., cfg.split_token_id].set(-jnp.inf)
+        x_clean = jnp.argmax(clean_logits, axis=-1).astype(jnp.int32)
+        tokens = jnp.where(cleanup[:, None] & structural, x_clean, x)
+
+        # Anti-loop: this exact input block was seen before -> re-draw the least confident changing position,
+        # excluding every token already written there.
+        h = _block_hash(ids)
+        seen_before = jnp.any((state["seen"] == h[:, None]) & (jnp.arange(state["seen"].shape[1]) <
+                                                               (num_update - 1)[:, None]), axis=-1)
+        changing = write & (tokens != ids)
+        loop_fix = seen_before & ~cleanup & jnp.any(changing, axis=-1)
+        j = jnp.argmin(jnp.where(changing, p, jnp.inf), axis=-1)
+        row_logits = jnp.take_along_axis(logits, j[:, None, None], axis=1)[:, 0]  # [R, V]
+        hist = jnp.take_along_axis(state["written"], j[:, None, None], axis=1)[:, 0]  # [R, H]
+        excluded = jnp.zeros(row_logits.shape, jnp.bool_).at[jnp.arange(rows)[:, None],
+                                                             jnp.where(hist >= 0, hist, 0)].max(hist >= 0)
+        redraw = jnp.argmax(jnp.where(excluded, -jnp.inf, row_logits), axis=-1).astype(jnp.int32)
+        onehot_j = jax.nn.one_hot(j, block, dtype=jnp.bool_) & loop_fix[:, None]
+        tokens = jnp.where(onehot_j, redraw[:, None], tokens)
+
+        selected = jnp.where(write, tokens, ids)
+        has_structural = jnp.any(write & ((tokens == cfg.delete_token_id) | (tokens == cfg.split_token_id)), -1)
+        edited, edited_orig = apply_edit_operations(ids, selected, immutable, is_orig, mask_id=mask_id,
+                                                    delete_id=cfg.delete_token_id, split_id=cfg.split_token_id)
+        new_ids = jnp.where(has_structural[:, None], edited, selected)
+        new_orig = jnp.where(has_structural[:, None], edited_orig, is_orig)
+        new_ids = jnp.where(active[:, None], new_ids, ids)
+        changed = jnp.any(new_ids != ids, axis=-1)
+
+        # Done: nothing to write (this forward saw the final tokens); a cleanup that changed nothing; or the
+        # forward that follows a cleanup which changed something (it ran on the final tokens).
+        finished = was_finished | nothing | cleanup
+        done = was_finished | (active & nothing) | (active & cleanup & ~changed)
+
+        step_idx = jnp.clip(num_update - 1, 0, state["seen"].shape[1] - 1)
+        seen = state["seen"].at[jnp.arange(rows), step_idx].set(jnp.where(active, h, state["seen"][jnp.arange(rows),
+                                                                                                    step_idx]))
+        written = state["written"].at[jnp.arange(rows), :, step_idx].set(
+            jnp.where(active[:, None] & write, tokens, state["written"][jnp.arange(rows), :, step_idx]))
+        new_state = {"num_update_steps": num_update, "post_edit_steps": post, "finished": finished,
+                     "is_orig_mask": new_orig, "seen": seen, "written": written}
+        return new_ids, done, new_state
+
+
 ALGORITHMS: dict[str, type[Algorithm]] = {
-    cls.name: cls for cls in (LowConfidence, JointThreshold, EBSampling, EntropyThreshold)
+    cls.name: cls for cls in (LowConfidence, JointThreshold, JointThresholdInDel, EBSampling, EntropyThreshold)
 }
 
 
@@ -270,7 +452,9 @@ def _coerce(field: str, value, default):
         if not isinstance(value, bool) or not isinstance(default, bool):
             raise ValueError(f"{field}: expected {type(default).__name__}, got {value!r}")
         return value
-    if isinstance(default, int) and default is not None:
+    if default is None:
+        return value
+    if isinstance(default, int):
         if not isinstance(value, int) or value < 0:
             raise ValueError(f"{field}: expected a non-negative integer, got {value!r}")
         return value

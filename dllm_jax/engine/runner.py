@@ -102,7 +102,7 @@ class ModelRunner:
         self.greedy_spec = base
         self.sampling_spec = dataclasses.replace(base, sampling=True)
         self.prefill_spec = dataclasses.replace(base, algorithm=None)
-        self._fresh_state = {k: np.asarray(v)[0] for k, v in algorithm.init_state(1).items()}
+        self._fresh_state = {k: np.asarray(v)[0] for k, v in algorithm.init_state(1, block_size).items()}
         self.device_calls = 0
 
     # -------------------------------------------------------------------------------------------
