@@ -260,3 +260,18 @@ def test_top_k_one_is_greedy(tiny_model, make_engine, naive_outputs):
     engine = make_engine(tiny_model)
     out = engine.generate(input_ids=PROMPTS[0], sampling_params={**GREEDY, "temperature": 2.0, "top_k": 1})
     assert out["output_ids"] == naive_outputs[0]
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_pallas_backends_token_identical_in_interpret_mode(tmp_path, make_engine, tie):
+    """The Pallas kernels (interpret mode on CPU) give the XLA path's tokens through the whole engine."""
+    from conftest import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "m", tie=tie)
+    prompts = [list(p) for p in PROMPTS[:5]]
+    params = {"max_new_tokens": 8, "ignore_eos": True}
+    xla = make_engine(model, attention_backend="xla", confidence_backend="xla", max_running_requests=4)
+    pallas = make_engine(model, attention_backend="pallas_interpret", confidence_backend="pallas_interpret",
+                         max_running_requests=4)
+    assert [o["output_ids"] for o in pallas.generate(input_ids=prompts, sampling_params=params)] == \
+        [o["output_ids"] for o in xla.generate(input_ids=prompts, sampling_params=params)]

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from dllm_jax.config import ModelConfig
 from dllm_jax.decode.algorithms import Algorithm, Candidates, State
-from dllm_jax.decode.backends import attention_function, confidence_function
+from dllm_jax.decode.backends import attention_function, confidence_stats
 from dllm_jax.model.qwen3 import forward_chunk, lm_head_matrix
 
 
@@ -135,8 +135,8 @@ def candidates(params, hidden, batch: DenoiseBatch, spec: StepSpec) -> Candidate
     with jax.named_scope("confidence"):
         # The greedy figures always come from the configured confidence backend, so a greedy row is
         # bit-identical whether or not a sampled row shares its batch.
-        argmax, p_max, _ = confidence_function(spec.confidence_backend)(
-            hidden.reshape(rows * block, dim), lm_head_matrix(params), exclude_token_id=spec.mask_id)
+        argmax, p_max, _ = confidence_stats(spec.confidence_backend, params, hidden.reshape(rows * block, dim),
+                                            exclude_token_id=spec.mask_id)
         tokens, confidence = argmax.reshape(rows, block), p_max.reshape(rows, block)
         if not need_logits:
             return Candidates(tokens=tokens, confidence=confidence)
