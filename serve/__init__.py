@@ -1,0 +1,16 @@
+"""HTTP serving for dllm-jax: a FastAPI app with SGLang- and OpenAI-style endpoints (see :mod:`serve.app`).
+
+``from serve import create_app``; ``uvicorn --factory serve:create_app`` (flags in ``$DLLM_JAX_SERVE_ARGS``);
+``python -m serve ...`` or ``dllm-jax serve ...``. Importing ``serve`` itself is cheap: FastAPI is imported when
+the app is first asked for.
+"""
+
+__all__ = ["create_app", "ServerSettings"]
+
+
+def __getattr__(name):
+    if name in ("create_app", "ServerSettings"):
+        import importlib
+
+        return getattr(importlib.import_module("serve.app"), name)
+    raise AttributeError(f"module 'serve' has no attribute {name!r}")

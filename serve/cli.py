@@ -1,0 +1,103 @@
+"""``dllm-jax serve`` / ``python -m serve``: the HTTP server.
+
+``dllm_jax.cli`` registers the subcommand with :func:`add_arguments` plus the shared engine flags
+(``dllm_jax.cli.add_engine_arguments``) and calls :func:`main`. ``python -m serve`` builds the same parser here.
+``uvicorn --factory serve:create_app`` reads the same flags from the ``DLLM_JAX_SERVE_ARGS`` environment variable.
+
+This module imports neither FastAPI nor uvicorn at import time (``dllm-jax generate`` imports it to build its
+parser), but it raises ImportError when they are missing, so ``dllm-jax`` simply has no ``serve`` command then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import shlex
+import sys
+
+for _module in ("fastapi", "uvicorn", "prometheus_client"):
+    if importlib.util.find_spec(_module) is None:
+        raise ImportError(f"dllm-jax serve needs the {_module!r} package (pip install 'dllm-jax')")
+
+ENV_ARGS = "DLLM_JAX_SERVE_ARGS"
+ENV_API_KEY = "DLLM_JAX_API_KEY"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default: loopback only; use 0.0.0.0 to serve other machines)")
+    g.add_argument("--port", type=int, default=30000)
+    g.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on every endpoint but /health "
+                        f"(default: ${ENV_API_KEY} if set)")
+    g.add_argument("--served-model-name", default=None, help="the model's name in OpenAI answers "
+                                                             "(default: the model directory's name)")
+    g.add_argument("--max-queued-requests", type=int, default=256,
+                   help="requests that may wait beyond --max-running-requests; more get 503 + Retry-After")
+    g.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="longer prompts get 400 (default: what fits the context length)")
+    g.add_argument("--max-request-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
+    g.add_argument("--incremental-streaming-output", action="store_true",
+                   help="/generate streams only the new text and ids of each block (default: cumulative, as SGLang)")
+    g.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    g.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+
+
+def settings_from_args(args: argparse.Namespace):
+    from serve.app import ServerSettings
+
+    return ServerSettings(
+        served_model_name=args.served_model_name, api_key=args.api_key or os.environ.get(ENV_API_KEY) or None,
+        max_queued_requests=args.max_queued_requests, max_prompt_tokens=args.max_prompt_tokens,
+        max_request_bytes=args.max_request_bytes, incremental_streaming_output=args.incremental_streaming_output,
+        profile_dir=getattr(args, "profile_dir", None))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from dllm_jax.cli import add_engine_arguments
+
+    p = argparse.ArgumentParser(prog="python -m serve", description="dllm-jax HTTP server (SGLang- and "
+                                                                    "OpenAI-style endpoints)")
+    add_arguments(p)
+    add_engine_arguments(p)
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    """Build the engine (errors in the flags or the model fail here, before binding), then serve until stopped."""
+    import uvicorn
+
+    from dllm_jax.cli import build_engine
+    from serve.app import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = settings_from_args(args)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
+        logging.getLogger("dllm_jax.serve").warning("binding %s without an API key: anyone who can reach this "
+                                                    "address can use the server", args.host)
+    engine = build_engine(args)
+    app = create_app(engine, settings)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=not args.no_access_log,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return main(args) or 0
+    except ValueError as err:
+        print(f"dllm-jax serve: error: {err}", file=sys.stderr)
+        return 2
+
+
+def engine_and_settings_from_env():
+    """(engine factory, settings) from ``$DLLM_JAX_SERVE_ARGS`` (for ``uvicorn --factory serve:create_app``)."""
+    from dllm_jax.cli import build_engine
+
+    args = build_parser().parse_args(shlex.split(os.environ.get(ENV_ARGS, "")))
+    return (lambda: build_engine(args)), settings_from_args(args)

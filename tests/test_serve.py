@@ -1,0 +1,641 @@
+"""The HTTP server against a real ``uvicorn`` process (``python -m serve``) on 127.0.0.1 and a free port.
+
+One server per module (the shipped model when it is present, else a small random model with the project's
+tokenizer), reused by every test; an in-process ``dllm_jax.Engine`` on the same model is the Python-API reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from dllm_jax.assets import DEFAULT_MODEL_PATH
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+API_KEY = "test-key-123"
+MAX_RUNNING = 8
+MAX_QUEUED = 24
+CONTEXT = 512
+SHIPPED = os.path.isfile(os.path.join(DEFAULT_MODEL_PATH, "config.json"))
+NEEDS_SHIPPED = pytest.mark.skipif(not SHIPPED, reason=f"the shipped model is not at {DEFAULT_MODEL_PATH} yet "
+                                                        "(answers of a random model are not checked)")
+GREEDY = {"temperature": 0}
+SYSTEM = ("You are a careful assistant for list tasks. Read the whole request, keep every item exactly as "
+          "written, separate items with single spaces, and answer on one line that starts with Answer.")
+
+
+def build_chat_model(path: str) -> str:
+    """A small random SDAR model with the project's tokenizer and chat template (when the shipped one is absent)."""
+    import jax
+
+    from dllm_jax.model.qwen3 import init_params
+    from dllm_jax.train import tokenizer as tok_lib
+    from dllm_jax.train.train import TrainConfig, export_hf
+
+    tok = tok_lib.train_tokenizer()
+    ids = tok_lib.special_ids(tok)
+    tc = TrainConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128)
+    cfg = tc.model_config(int(math.ceil(len(tok) / 64) * 64), ids[tok_lib.MASK],
+                          (ids[tok_lib.IM_END], ids[tok_lib.ENDOFTEXT]))
+    export_hf(init_params(cfg, jax.random.key(0)), cfg, tok, path)
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    if SHIPPED:
+        return DEFAULT_MODEL_PATH
+    return build_chat_model(str(tmp_path_factory.mktemp("serve_model") / "model"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("serve_log") / "server.log"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_DEFAULT_MATMUL_PRECISION="highest", XLA_FLAGS="",
+               TOKENIZERS_PARALLELISM="false", PYTHONPATH=REPO)
+    cmd = [sys.executable, "-m", "serve", "--model-path", model_dir, "--host", "127.0.0.1", "--port", str(port),
+           "--max-running-requests", str(MAX_RUNNING), "--context-length", str(CONTEXT),
+           "--max-queued-requests", str(MAX_QUEUED), "--api-key", API_KEY, "--log-level", "warning",
+           "--no-access-log"]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{open(log_path).read()}")
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(f"server did not come up:\n{open(log_path).read()}")
+            time.sleep(0.3)
+        yield {"base": base, "proc": proc, "log": log_path}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+    text = open(log_path).read()
+    assert "Traceback" not in text, text
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server["base"], headers={"Authorization": f"Bearer {API_KEY}"},
+                      timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    """The Python API on the same model and settings (driven from this thread)."""
+    import dllm_jax
+
+    eng = dllm_jax.Engine(model_dir, max_running_requests=MAX_RUNNING, context_length=CONTEXT)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def examples():
+    from dllm_jax.train.tasks import heldout_set
+
+    return heldout_set(24)
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------
+def sse_events(response) -> list:
+    """The parsed ``data:`` events of an SSE response, ``"[DONE]"`` included as a string."""
+    out = []
+    for line in response.iter_lines():
+        if not line.startswith("data: "):
+            assert line == "", line
+            continue
+        data = line[len("data: "):]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def stream_post(client, path, body) -> list:
+    with client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return sse_events(r)
+
+
+def metrics(client) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = client.get("/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            key = s.name + (json.dumps(s.labels, sort_keys=True) if s.labels else "")
+            out[key] = s.value
+    return out
+
+
+def load(client) -> dict:
+    r = client.get("/internal/load")
+    assert r.status_code == 200
+    return r.json()
+
+
+def wait_idle(client, timeout=60) -> dict:
+    """Until nothing runs or waits, and every KV page is free or held (unlocked) by the prefix cache."""
+    deadline = time.time() + timeout
+    while True:
+        d = load(client)
+        if (d["running_requests"] == 0 and d["queued_requests"] == 0 and d["server_inflight"] == 0
+                and d["kv_pages_used"] == d["kv_pages_cached"] and d["kv_pages_locked"] == 0):
+            return d
+        assert time.time() < deadline, f"the server did not go idle: {d}"
+        time.sleep(0.1)
+
+
+def flush(client):
+    wait_idle(client)
+    r = client.post("/flush_cache")
+    assert r.status_code == 200 and r.json()["success"], r.text
+    d = load(client)
+    assert d["kv_pages_used"] == d["kv_pages_cached"] == 0
+
+
+def chat_text(engine, user: str, system: str | None = None) -> str:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    return engine.apply_chat_template(messages)
+
+
+def assert_serving(client):
+    r = client.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2, **GREEDY}})
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["completion_tokens"] == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# Info endpoints
+# ----------------------------------------------------------------------------------------------
+def test_info_endpoints(server, client, model_dir):
+    assert httpx.get(server["base"] + "/health").json() == {"status": "ok"}  # open without the key
+    info = client.get("/get_model_info").json()
+    assert info["model_path"] == os.path.abspath(model_dir)
+    assert info["block_size"] == 32 and isinstance(info["mask_token_id"], int)
+    assert info["algorithm"] == "LowConfidence" and info["context_length"] == CONTEXT
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == os.path.basename(model_dir)
+    assert models["data"][0]["max_model_len"] == CONTEXT
+
+
+# ----------------------------------------------------------------------------------------------
+# Every generation endpoint equals the Python API (and, on the shipped model, answers right)
+# ----------------------------------------------------------------------------------------------
+def test_generate_endpoints_equal_python_api(client, engine, examples):
+    from dllm_jax.train.tasks import is_correct
+
+    exs = examples[:6]
+    texts = [chat_text(engine, ex.prompt) for ex in exs]
+    params = {"max_new_tokens": 96, **GREEDY}
+    ref = engine.generate(prompt=texts, sampling_params=params)
+
+    # /generate, one at a time and as a batch
+    single = client.post("/generate", json={"text": texts[0], "sampling_params": params})
+    assert single.status_code == 200, single.text
+    one = single.json()
+    assert one["text"] == ref[0]["text"] and one["output_ids"] == ref[0]["output_ids"]
+    meta = one["meta_info"]
+    assert meta["prompt_tokens"] == ref[0]["meta_info"]["prompt_tokens"]
+    assert meta["completion_tokens"] == len(one["output_ids"])
+    assert meta["forward_passes"] >= 1 and meta["e2e_latency"] > 0
+    assert meta["finish_reason"]["type"] in ("stop", "length")
+    assert {"prompt_tokens", "completion_tokens", "cached_tokens", "forward_passes", "finish_reason",
+            "e2e_latency"} <= set(meta)
+    batch = client.post("/generate", json={"text": texts, "sampling_params": params}).json()
+    assert [b["output_ids"] for b in batch] == [r["output_ids"] for r in ref]
+    assert [b["text"] for b in batch] == [r["text"] for r in ref]
+    ids_batch = client.post("/generate", json={"input_ids": [engine.tokenize(t) for t in texts[:2]],
+                                                "sampling_params": [params, {**params, "max_new_tokens": 5}]}).json()
+    assert ids_batch[0]["output_ids"] == ref[0]["output_ids"]
+    assert ids_batch[1]["output_ids"] == ref[1]["output_ids"][:5]
+
+    # /generate streaming: one event per committed block, cumulative text and ids, then [DONE]
+    events = stream_post(client, "/generate", {"text": texts[1], "sampling_params": params, "stream": True})
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[-1]["text"] == ref[1]["text"] and chunks[-1]["output_ids"] == ref[1]["output_ids"]
+    assert chunks[-1]["meta_info"]["finish_reason"] == ref[1]["meta_info"]["finish_reason"]
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    for a, b in zip(chunks, chunks[1:]):
+        assert b["output_ids"][:len(a["output_ids"])] == a["output_ids"]
+    B, prompt_len = 32, chunks[0]["meta_info"]["prompt_tokens"]
+    first_block = B - prompt_len % B
+    assert len(chunks[0]["output_ids"]) == min(first_block, len(ref[1]["output_ids"]))
+    n_out = len(ref[1]["output_ids"])
+    assert len(chunks) >= math.ceil(max(0, n_out - first_block) / B)  # at least one event per block
+
+    # a streamed batch: events carry their prompt's index
+    events = stream_post(client, "/generate", {"text": texts[2:4], "sampling_params": params, "stream": True})
+    finals = {c["index"]: c for c in events[:-1] if c["meta_info"]["finish_reason"] is not None}
+    assert [finals[i]["output_ids"] for i in (0, 1)] == [ref[2]["output_ids"], ref[3]["output_ids"]]
+
+    # /v1/completions on the chat-formatted prompt, plain and streamed
+    body = {"model": "whatever", "prompt": texts[4], "max_tokens": 96, "temperature": 0}
+    comp = client.post("/v1/completions", json=body).json()
+    assert comp["object"] == "text_completion" and comp["choices"][0]["text"] == ref[4]["text"]
+    usage = comp["usage"]
+    assert usage["prompt_tokens"] == ref[4]["meta_info"]["prompt_tokens"]
+    assert usage["completion_tokens"] == ref[4]["meta_info"]["completion_tokens"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert comp["choices"][0]["finish_reason"] == {"stop": "stop", "length": "length"}[
+        ref[4]["meta_info"]["finish_reason"]["type"]]
+    events = stream_post(client, "/v1/completions", {**body, "stream": True,
+                                                     "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    text = "".join(c["choices"][0]["text"] for c in events[:-2])
+    assert text == ref[4]["text"]
+    assert events[-3]["choices"][0]["finish_reason"] == comp["choices"][0]["finish_reason"]
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == usage["completion_tokens"]
+
+    # /v1/chat/completions with the tokenizer's template, plain and streamed
+    body = {"messages": [{"role": "user", "content": exs[5].prompt}], "max_tokens": 96, "temperature": 0}
+    chat = client.post("/v1/chat/completions", json=body).json()
+    assert chat["object"] == "chat.completion"
+    assert chat["choices"][0]["message"] == {"role": "assistant", "content": ref[5]["text"]}
+    assert chat["usage"]["prompt_tokens"] == ref[5]["meta_info"]["prompt_tokens"]
+    events = stream_post(client, "/v1/chat/completions", {**body, "stream": True})
+    assert events[-1] == "[DONE]" and all(e["object"] == "chat.completion.chunk" for e in events[:-1])
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]) == ref[5]["text"]
+    assert events[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+
+    if SHIPPED:
+        right = [is_correct(ex, r["text"]) for ex, r in zip(exs, ref)]
+        assert sum(right) >= len(exs) - 1, [(ex.prompt, ex.answer, r["text"]) for ex, r in zip(exs, ref)]
+
+
+@NEEDS_SHIPPED
+def test_heldout_answers_over_http(client, examples):
+    """The shipped model answers held-out prompts right through every endpoint."""
+    from dllm_jax.train.tasks import is_correct
+
+    exs = examples[6:12]
+    ok = 0
+    for i, ex in enumerate(exs):
+        body = {"messages": [{"role": "user", "content": ex.prompt}], "max_tokens": 128, "temperature": 0}
+        if i % 2:
+            text = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+        else:
+            events = stream_post(client, "/v1/chat/completions", {**body, "stream": True})
+            text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
+        ok += is_correct(ex, text)
+    assert ok >= len(exs) - 1
+
+
+# ----------------------------------------------------------------------------------------------
+# 32 concurrent clients, mixed lengths, a shared prefix
+# ----------------------------------------------------------------------------------------------
+def _requests_32(engine, examples) -> list[dict]:
+    lengths = (4, 12, 24, 40, 64, 8, 33, 96)
+    out = []
+    for i in range(32):
+        ex = examples[i % len(examples)]
+        user = ex.prompt if i < len(examples) else f"{ex.prompt} ({i})"
+        params = {"max_new_tokens": lengths[i % len(lengths)], **GREEDY}
+        if i % 8 == 7:
+            params = {"max_new_tokens": 24, "temperature": 0.8, "top_p": 0.95, "seed": 1000 + i}
+        out.append({"text": chat_text(engine, user, SYSTEM), "sampling_params": params, "stream": i % 4 == 3})
+    return out
+
+
+async def _post_all(base: str, bodies: list[dict]) -> list[dict]:
+    async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {API_KEY}"},
+                                 timeout=300, limits=httpx.Limits(max_connections=64)) as c:
+        async def one(body):
+            if not body["stream"]:
+                r = await c.post("/generate", json=body)
+                assert r.status_code == 200, r.text
+                return r.json()
+            async with c.stream("POST", "/generate", json=body) as r:
+                assert r.status_code == 200
+                events = [json.loads(line[6:]) for line in [x async for x in r.aiter_lines()]
+                          if line.startswith("data: ") and line != "data: [DONE]"]
+                return events[-1]
+
+        return await asyncio.gather(*(one(b) for b in bodies))
+
+
+def test_32_concurrent_clients(server, client, engine, examples):
+    bodies = _requests_32(engine, examples)
+    shared = len(engine.tokenize(chat_text(engine, "", SYSTEM).split("<|im_start|>user")[0]))
+    shared_blocks = shared // 32
+    assert shared_blocks >= 1
+
+    flush(client)
+    m0 = metrics(client)
+    t0 = time.time()
+    results = asyncio.run(_post_all(server["base"], bodies))
+    concurrent_s = time.time() - t0
+    wait_idle(client)
+    m1 = metrics(client)
+
+    flush(client)
+    sequential = []
+    for body in bodies:
+        if body["stream"]:
+            sequential.append(stream_post(client, "/generate", body)[-2])
+        else:
+            r = client.post("/generate", json=body)
+            assert r.status_code == 200, r.text
+            sequential.append(r.json())
+
+    # same outputs, concurrent or not (greedy and seeded sampling alike)
+    for i, (a, b) in enumerate(zip(results, sequential)):
+        assert a["output_ids"] == b["output_ids"], f"request {i}"
+        assert a["text"] == b["text"]
+        assert a["meta_info"]["completion_tokens"] == len(a["output_ids"])
+    # the shared prefix is reused: sequentially every request after the first hits it; concurrently, those
+    # admitted after the first wave do
+    seq_cached = [s["meta_info"]["cached_tokens"] for s in sequential]
+    assert seq_cached[0] == 0 and all(c >= shared_blocks * 32 for c in seq_cached[1:]), seq_cached
+    cached = [r["meta_info"]["cached_tokens"] for r in results]
+    assert sum(c >= shared_blocks * 32 for c in cached) >= 32 - MAX_RUNNING, cached
+    assert all(c % 32 == 0 and c <= r["meta_info"]["prompt_tokens"] for c, r in zip(cached, results))
+
+    # /metrics adds up over the concurrent phase
+    def delta(name):
+        return m1.get(name, 0) - m0.get(name, 0)
+
+    metas = [r["meta_info"] for r in results]
+    assert delta("dllm_requests_total") == 32
+    assert delta("dllm_requests_finished_total") == 32
+    assert delta("dllm_prompt_tokens_total") == sum(m["prompt_tokens"] for m in metas)
+    assert delta("dllm_generation_tokens_total") == sum(m["completion_tokens"] for m in metas)
+    assert delta("dllm_cached_tokens_total") == sum(cached)
+    assert delta("dllm_request_completion_tokens_total") == sum(m["completion_tokens"] for m in metas)
+    assert delta("dllm_request_forward_passes_total") == sum(m["forward_passes"] for m in metas)
+    assert delta('dllm_http_responses_total{"endpoint": "/generate", "status": "200"}') == 32
+    finished = sum(delta(f'dllm_server_requests_finished_total{{"reason": "{r}"}}') for r in ("stop", "length"))
+    assert finished == 32
+    assert m1["dllm_forward_passes_total"] == m1["dllm_prefill_forwards_total"] + m1["dllm_denoise_forwards_total"]
+    assert delta("dllm_forward_passes_total") > 0 and m1["dllm_tokens_per_forward"] > 0
+    assert 0 < m1["dllm_cache_hit_rate"] <= 1
+    assert m1["dllm_num_running_requests"] == 0 and m1["dllm_num_queued_requests"] == 0
+    assert m1["dllm_kv_pages_used"] == m1["dllm_kv_pages_cached"] > 0
+    assert m1["dllm_server_inflight_requests"] == 0
+    print(f"32 concurrent requests: {concurrent_s:.2f} s")
+
+
+# ----------------------------------------------------------------------------------------------
+# Disconnects, the bounded queue
+# ----------------------------------------------------------------------------------------------
+def test_disconnect_aborts_and_returns_pages(client, engine, examples):
+    wait_idle(client)
+    m0 = metrics(client)
+    body = {"text": chat_text(engine, examples[0].prompt), "stream": True,
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, **GREEDY}}
+    with client.stream("POST", "/generate", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                first = json.loads(line[6:])
+                break
+    assert first["meta_info"]["finish_reason"] is None
+    wait_idle(client, timeout=30)
+    m1 = metrics(client)
+    assert m1["dllm_client_disconnects_total"] - m0.get("dllm_client_disconnects_total", 0) == 1
+    assert m1['dllm_server_requests_finished_total{"reason": "abort"}'] - m0.get(
+        'dllm_server_requests_finished_total{"reason": "abort"}', 0) == 1
+    assert m1["dllm_generation_tokens_total"] - m0["dllm_generation_tokens_total"] < 400
+
+    # non-streaming: the client times out and goes away; the request is aborted as well
+    m0 = m1
+    body = {**body, "stream": False}
+    with pytest.raises(httpx.ReadTimeout):
+        client.post("/generate", json=body, timeout=httpx.Timeout(120, read=0.3))
+    wait_idle(client, timeout=30)
+    m1 = metrics(client)
+    assert m1["dllm_client_disconnects_total"] - m0["dllm_client_disconnects_total"] == 1
+    assert_serving(client)
+
+
+def test_queue_full_503_then_recovers(server, client, engine, examples):
+    """Fill running + queued slots with held-open streams: one more request is a 503 with Retry-After."""
+    wait_idle(client)
+    capacity = load(client)["server_capacity"]
+    assert capacity == MAX_RUNNING + MAX_QUEUED
+    text = chat_text(engine, examples[1].prompt)
+    body = {"text": text, "stream": True, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, **GREEDY}}
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server["base"], headers={"Authorization": f"Bearer {API_KEY}"},
+                                     timeout=60, limits=httpx.Limits(max_connections=64)) as c:
+            streams = []
+            try:
+                for _ in range(capacity):
+                    cm = c.stream("POST", "/generate", json=body)
+                    r = await cm.__aenter__()
+                    assert r.status_code == 200
+                    streams.append(cm)
+                over = await c.post("/generate", json={**body, "stream": False})
+                batch = await c.post("/generate", json={"text": [text] * (capacity + 1)})
+                return over, batch
+            finally:
+                for cm in streams:
+                    await cm.__aexit__(None, None, None)
+
+    m0 = metrics(client)
+    over, batch = asyncio.run(scenario())
+    assert over.status_code == 503 and int(over.headers["retry-after"]) >= 1
+    assert over.json()["error"]["code"] == 503
+    assert batch.status_code == 400 and batch.json()["error"]["param"] == "text"
+    wait_idle(client)
+    m1 = metrics(client)
+    assert m1['dllm_rejected_requests_total{"reason": "queue_full"}'] - m0.get(
+        'dllm_rejected_requests_total{"reason": "queue_full"}', 0) == 1
+    assert m1["dllm_client_disconnects_total"] - m0["dllm_client_disconnects_total"] == capacity
+    assert_serving(client)
+
+
+# ----------------------------------------------------------------------------------------------
+# The mask token id inside a prompt
+# ----------------------------------------------------------------------------------------------
+def test_mask_token_in_prompt(client, engine, examples):
+    mask = engine.mask_token_id
+    ids = engine.tokenize(chat_text(engine, examples[2].prompt, SYSTEM))
+    ids = ids[:3] + [mask] + ids[3:20] + [mask, mask] + ids[20:] + [mask]
+    assert len(ids) > 40
+    params = {"max_new_tokens": 40, **GREEDY}
+    flush(client)
+    cold = client.post("/generate", json={"input_ids": ids, "sampling_params": params})
+    hot = client.post("/generate", json={"input_ids": ids, "sampling_params": params})
+    assert cold.status_code == hot.status_code == 200, (cold.text, hot.text)
+    cold, hot = cold.json(), hot.json()
+    assert cold["meta_info"]["cached_tokens"] == 0 and hot["meta_info"]["cached_tokens"] >= 32
+    assert cold["meta_info"]["prompt_tokens"] == hot["meta_info"]["prompt_tokens"] == len(ids)
+    assert cold["output_ids"] == hot["output_ids"] == engine.generate(input_ids=ids,
+                                                                      sampling_params=params)["output_ids"]
+    assert mask not in cold["output_ids"] and len(cold["output_ids"]) >= 1
+
+    # the prompt comes back intact (OpenAI echo of a token-id prompt), cold and hot; streamed too
+    prompt_text = engine.tokenizer.decode(ids, skip_special_tokens=False)
+    assert prompt_text.count("<|mask|>") == 4
+    flush(client)
+    for _ in range(2):
+        r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 40, "temperature": 0, "echo": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == prompt_text + cold["text"]
+    events = stream_post(client, "/v1/completions", {"prompt": ids, "max_tokens": 40, "temperature": 0,
+                                                     "echo": True, "stream": True})
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == prompt_text + cold["text"]
+    # and as text: the literal mask token in a string prompt is the mask id
+    r = client.post("/generate", json={"text": prompt_text, "sampling_params": params})
+    assert r.status_code == 200 and r.json()["output_ids"] == cold["output_ids"]
+    assert r.json()["meta_info"]["cached_tokens"] >= 32
+    wait_idle(client)
+    assert_serving(client)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad requests: 400 naming the field, 401, 404, 413; the server keeps serving
+# ----------------------------------------------------------------------------------------------
+BAD = [
+    # (path, raw body or json, expected param)
+    ("/generate", b'{"text": "hi", "sampling_params": {', "body"),
+    ("/generate", b"[1, 2]", "body"),
+    ("/generate", {"text": "hi", "sampling_param": {}}, "sampling_param"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_tokens": 4}}, "sampling_params.max_tokens"),
+    ("/generate", {"text": "hi", "sampling_params": {"temperature": "0.5"}}, "sampling_params.temperature"),
+    ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+    ("/generate", {"text": "hi", "sampling_params": {"temperature": float("nan")}}, "sampling_params.temperature"),
+    ("/generate", {"text": "hi", "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": True}}, "sampling_params.max_new_tokens"),
+    ("/generate", {"text": "hi", "sampling_params": {"ignore_eos": 1}}, "sampling_params.ignore_eos"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [10 ** 9]}}, "sampling_params.stop_token_ids"),
+    ("/generate", {"text": ["a", "b"], "sampling_params": [{}, {"top_k": -5}]}, "sampling_params[1].top_k"),
+    ("/generate", {"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
+    ("/generate", {"text": 5}, "text"),
+    ("/generate", {"text": ""}, "text"),
+    ("/generate", {"text": "hi", "input_ids": [1]}, "text"),
+    ("/generate", {}, "text"),
+    ("/generate", {"input_ids": [1, "2"]}, "input_ids"),
+    ("/generate", {"input_ids": [1, 10 ** 9]}, "input_ids[1]"),
+    ("/generate", {"input_ids": [[1], [2, -3]]}, "input_ids[1][1]"),
+    ("/generate", {"input_ids": [7] * 600}, "input_ids"),
+    ("/generate", {"text": "word " * 100_000}, "text"),
+    ("/generate", {"text": "hi", "stream": "yes"}, "stream"),
+    ("/generate", {"text": "hi", "return_logprob": True}, "return_logprob"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 3}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "stop": 7}, "stop"),
+    ("/v1/completions", {"prompt": [1, 10 ** 9]}, "prompt[1]"),
+    ("/v1/completions", {"max_tokens": 4}, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{}]}, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 1000}]}, "messages"),
+    ("/start_profile", {"output_dir": "/tmp/x", "steps": 3}, "steps"),
+]
+
+
+def test_bad_requests_get_400(client):
+    m0 = metrics(client)
+    for path, body, param in BAD:
+        if isinstance(body, bytes):
+            r = client.post(path, content=body, headers={"Content-Type": "application/json"})
+        else:
+            r = client.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, (path, body if len(str(body)) < 200 else str(body)[:200], r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and err["code"] == 400, (path, str(body)[:200], err)
+        assert err["message"].startswith(param), err
+    m1 = metrics(client)
+    # none of them reached the engine
+    assert m1["dllm_requests_total"] == m0["dllm_requests_total"]
+    assert_serving(client)
+
+
+def test_auth_size_and_unknown_routes(server, client):
+    base = server["base"]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        for method, path in (("POST", "/generate"), ("GET", "/metrics"), ("GET", "/v1/models"),
+                             ("POST", "/flush_cache"), ("GET", "/internal/load")):
+            r = httpx.request(method, base + path, json={"text": "hi"}, headers=headers)
+            assert r.status_code == 401, (path, headers, r.text)
+            assert r.headers["www-authenticate"] == "Bearer" and r.json()["error"]["code"] == 401
+    # malformed JSON without the key is still a 401 (authentication comes first)
+    r = httpx.post(base + "/generate", content=b"{", headers={"Content-Type": "application/json"})
+    assert r.status_code == 401
+    r = client.post("/generate", content=b"x" * (9 << 20), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "body"
+    r = client.get("/no/such/route")
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404
+    r = client.get("/generate")
+    assert r.status_code == 405
+    assert_serving(client)
+
+
+# ----------------------------------------------------------------------------------------------
+# Admin endpoints
+# ----------------------------------------------------------------------------------------------
+def test_flush_profile_and_abort_request(server, client, tmp_path):
+    assert_serving(client)
+    flush(client)
+    assert client.get("/flush_cache").status_code == 200  # SGLang accepts GET too
+
+    out = tmp_path / "trace"
+    r = client.post("/start_profile", json={"output_dir": str(out)})
+    assert r.status_code == 200 and r.json()["output_dir"] == str(out)
+    assert client.post("/start_profile", json={"output_dir": str(out)}).status_code == 400  # already recording
+    assert_serving(client)
+    r = client.post("/stop_profile")
+    assert r.status_code == 200 and r.json()["output_dir"] == str(out)
+    files = [os.path.join(d, f) for d, _, fs in os.walk(out) for f in fs]
+    assert any(f.endswith((".xplane.pb", ".trace.json.gz")) for f in files), files
+    assert client.post("/stop_profile").status_code == 400
+
+    # /abort_request by rid ends a running request with finish_reason abort
+    body = {"input_ids": [5, 6, 7], "rid": "abort-me", "stream": True,
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, **GREEDY}}
+    with client.stream("POST", "/generate", json=body) as r:
+        events = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 1:
+                    assert client.post("/abort_request", json={"rid": "abort-me"}).json() == {"aborted": ["abort-me"]}
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    wait_idle(client)
