@@ -1,14 +1,24 @@
-"""Choice of attention / confidence implementation: Pallas kernels on GPU, plain XLA elsewhere.
+"""Choice of attention / confidence implementation, and their tensor-parallel forms.
 
 ``auto`` resolves to ``pallas`` on a GPU backend and ``xla`` otherwise; ``pallas_interpret`` runs the Pallas
 kernels in interpret mode (CPU tests of the wiring). The XLA versions are the kernels' references.
+
+With a device mesh: attention runs per KV-head shard (Pallas under ``shard_map``; the XLA path through GSPMD's
+sharding propagation), and confidence selection runs per vocabulary shard, each shard reducing its slice of
+the LM head to a (max, sum-exp, argmax) triple; only those ``3 x N`` numbers are gathered and merged, never the
+``[N, V]`` logits.
 """
 
 from __future__ import annotations
 
-import jax
+import functools
 
-from pallas_kernels.confidence import confidence_stats_reference
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from pallas_kernels.confidence import (confidence_stats_reference, finalize_confidence_triple,
+                                       merge_confidence_triples)
 from pallas_kernels.paged_block_attention import paged_block_attention_reference
 
 BACKENDS = ("auto", "pallas", "xla", "pallas_interpret")
@@ -22,12 +32,25 @@ def resolve_backend(name: str, field: str) -> str:
     return name
 
 
-def attention_function(backend: str):
+def attention_function(backend: str, mesh=None, cfg=None):
     if backend == "xla":
         return paged_block_attention_reference
     from pallas_kernels import get_attention_fn
 
-    return get_attention_fn(backend)
+    kernel = get_attention_fn(backend)
+    from dllm_jax.sharding import heads_shardable
+
+    if not heads_shardable(cfg, mesh):
+        return kernel
+    heads = P(None, None, "tp", None)
+    pool = P("tp", None, None, None)
+
+    def sharded(q, k_new, v_new, k_pages, v_pages, page_table, prefix_len, *, block_size):
+        fn = functools.partial(kernel, block_size=block_size)
+        return jax.shard_map(fn, mesh=mesh, in_specs=(heads, heads, heads, pool, pool, P(), P()),
+                             out_specs=heads, check_vma=False)(q, k_new, v_new, k_pages, v_pages, page_table,
+                                                               prefix_len)
+    return sharded
 
 
 def confidence_function(backend: str):
@@ -38,9 +61,13 @@ def confidence_function(backend: str):
     return get_confidence_fn(backend)
 
 
-def confidence_stats(backend: str, params, hidden, *, exclude_token_id):
+def confidence_stats(backend: str, params, hidden, *, exclude_token_id, mesh=None, cfg=None):
     """(argmax, p_max, lse) of ``hidden [N, H]`` against the LM head. A tied head goes to the Pallas kernel as
     the stored ``[V, H]`` embedding (``vocab_major``): passing ``embed.T`` would make XLA copy it every step."""
+    from dllm_jax.sharding import vocab_shards
+
+    if cfg is not None and vocab_shards(cfg, mesh) > 1:
+        return _vocab_parallel_confidence(backend, params, hidden, exclude_token_id, mesh)
     if backend != "xla" and "lm_head" not in params:
         from pallas_kernels import get_confidence_fn
 
@@ -48,3 +75,33 @@ def confidence_stats(backend: str, params, hidden, *, exclude_token_id):
         return fn(hidden, params["embed"], exclude_token_id=exclude_token_id)
     head = params["lm_head"] if "lm_head" in params else params["embed"].T
     return confidence_function(backend)(hidden, head, exclude_token_id=exclude_token_id)
+
+
+def _vocab_parallel_confidence(backend, params, hidden, exclude_token_id, mesh):
+    from dllm_jax.sharding import RULES
+
+    axis = RULES["vocab"]
+    vocab_major = "lm_head" not in params
+    head = params["embed"] if vocab_major else params["lm_head"]
+    head_spec = P(axis, None) if vocab_major else P(None, axis)
+
+    def local(h, w):
+        v_local = w.shape[0] if vocab_major else w.shape[1]
+        offset = jax.lax.axis_index(axis) * v_local
+        excluded = exclude_token_id - offset  # outside [0, v_local) on every other shard: excludes nothing
+        if backend == "xla":
+            logits = jnp.dot(h, w.T if vocab_major else w, preferred_element_type=jnp.float32)
+            logits = jnp.where(jnp.arange(v_local) == excluded, -jnp.inf, logits)
+            m = jnp.max(logits, axis=-1)
+            s = jnp.sum(jnp.exp(logits - m[:, None]), axis=-1)
+            a = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        else:
+            from pallas_kernels import confidence_triples
+
+            m, s, a = confidence_triples(h, w, excluded, vocab_major=vocab_major,
+                                         interpret=backend == "pallas_interpret")
+        triples = [jax.lax.all_gather(t, axis) for t in (m, s, a + offset)]  # [shards, N] each: 3N numbers
+        return finalize_confidence_triple(*merge_confidence_triples(*triples, axis=0))
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), head_spec), out_specs=(P(), P(), P()),
+                         check_vma=False)(hidden, head)

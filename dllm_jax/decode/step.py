@@ -39,6 +39,7 @@ class StepSpec:
     confidence_backend: str = "xla"
     sampling: bool = False  # some row samples (temperature > 0): full logits are materialised
     loop: bool = False  # synchronous schedule: loop on the device until every row is done
+    mesh: Any = None  # jax.sharding.Mesh for tensor / expert parallelism (None: one device)
 
     @property
     def max_steps(self) -> int:
@@ -75,7 +76,8 @@ class DenoiseResult:
 
 def _model_forward(params, kv_pages, tokens, page_table, prefix_len, write_pages, spec: StepSpec):
     return forward_chunk(params, spec.model, tokens, kv_pages, page_table, prefix_len, write_pages,
-                         block_size=spec.block_size, attention_fn=attention_function(spec.attention_backend))
+                         block_size=spec.block_size,
+                         attention_fn=attention_function(spec.attention_backend, spec.mesh, spec.model))
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("kv_pages",))
@@ -136,7 +138,7 @@ def candidates(params, hidden, batch: DenoiseBatch, spec: StepSpec) -> Candidate
         # The greedy figures always come from the configured confidence backend, so a greedy row is
         # bit-identical whether or not a sampled row shares its batch.
         argmax, p_max, _ = confidence_stats(spec.confidence_backend, params, hidden.reshape(rows * block, dim),
-                                            exclude_token_id=spec.mask_id)
+                                            exclude_token_id=spec.mask_id, mesh=spec.mesh, cfg=spec.model)
         tokens, confidence = argmax.reshape(rows, block), p_max.reshape(rows, block)
         if not need_logits:
             return Candidates(tokens=tokens, confidence=confidence)

@@ -53,7 +53,8 @@ class Engine:
     and leave between steps; ``"sync"``: each round runs whole blocks on the device), ``enable_prefix_cache``,
     ``max_running_requests`` (rows per denoise step; default 32), ``num_kv_pages`` (page pool size; small
     values force retraction), ``dtype`` (``"auto"``: bfloat16 on GPU, float32 on CPU), ``attention_backend`` /
-    ``confidence_backend`` (``auto | pallas | xla``), ``tensor_parallel_size``, ``profile_dir``, ``seed``,
+    ``confidence_backend`` (``auto | pallas | xla``), ``tensor_parallel_size`` / ``expert_parallel_size`` (a
+    device mesh; see :mod:`dllm_jax.sharding`), ``profile_dir``, ``seed``,
     ``context_length`` (default: the model's), ``max_prefill_tokens`` (tokens per prefill forward; default
     2048), ``mask_token_id`` (override), ``warmup`` (compile every shape bucket at start).
     """
@@ -63,7 +64,8 @@ class Engine:
                  schedule: str = "fdfo", enable_prefix_cache: bool = True,
                  max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS, num_kv_pages: int | None = None,
                  dtype: str = "auto", attention_backend: str = "auto", confidence_backend: str = "auto",
-                 tensor_parallel_size: int = 1, profile_dir: str | None = None, profile_steps: int = 64,
+                 tensor_parallel_size: int = 1, expert_parallel_size: int = 1, profile_dir: str | None = None,
+                 profile_steps: int = 64,
                  seed: int = 0, context_length: int | None = None, max_prefill_tokens: int = 2048,
                  mask_token_id: int | None = None, warmup: bool = False, kv_memory_fraction: float = 0.85):
         from dllm_jax.model.loader import load_model
@@ -72,8 +74,10 @@ class Engine:
             raise ValueError(f"schedule: must be one of {SCHEDULES}, got {schedule!r}")
         if not isinstance(max_running_requests, int) or max_running_requests < 1:
             raise ValueError(f"max_running_requests: must be an integer >= 1, got {max_running_requests!r}")
-        if tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size: only 1 is supported by this build")
+        for name, value in (("tensor_parallel_size", tensor_parallel_size),
+                            ("expert_parallel_size", expert_parallel_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
         algorithm_config = _load_algorithm_config(algorithm_config)
         if block_size is None and "block_size" in algorithm_config:
             block_size = algorithm_config["block_size"]
@@ -117,12 +121,20 @@ class Engine:
         self.max_running_requests = max_running_requests
         self.enable_prefix_cache = enable_prefix_cache
 
+        self.tensor_parallel_size = tensor_parallel_size
+        self.expert_parallel_size = expert_parallel_size
+        mesh = None
+        if tensor_parallel_size * expert_parallel_size > 1:
+            from dllm_jax.sharding import make_mesh
+
+            mesh = make_mesh(tensor_parallel_size, expert_parallel_size)
+        self.mesh = mesh
         self.runner = ModelRunner(
             loaded.params, cfg, block_size=B, mask_id=self.mask_token_id, algorithm=self.algorithm,
             num_pages=num_kv_pages, max_rows=max_running_requests, max_pages_per_row=pages_per_row,
             max_prefill_blocks=max(1, min(max_prefill_tokens // B, pages_per_row)), loop=schedule == "sync",
             attention_backend=self.attention_backend, confidence_backend=self.confidence_backend,
-            kv_dtype=jnp.dtype(dtype))
+            kv_dtype=jnp.dtype(dtype), mesh=mesh)
         self.allocator = PageAllocator(num_kv_pages)
         self.radix = BlockRadixIndex(B, self.allocator, enabled=enable_prefix_cache)
         self.scheduler = Scheduler(
@@ -169,7 +181,8 @@ class Engine:
             "dtype": self.dtype,
             "attention_backend": self.attention_backend,
             "confidence_backend": self.confidence_backend,
-            "tensor_parallel_size": 1,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "expert_parallel_size": self.expert_parallel_size,
         }
 
     def get_load(self) -> dict:

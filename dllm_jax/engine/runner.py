@@ -87,7 +87,8 @@ class DecodeOutput:
 class ModelRunner:
     def __init__(self, params, cfg, *, block_size: int, mask_id: int, algorithm: Algorithm, num_pages: int,
                  max_rows: int, max_pages_per_row: int, max_prefill_blocks: int, loop: bool,
-                 attention_backend: str = "xla", confidence_backend: str = "xla", kv_dtype=jnp.float32):
+                 attention_backend: str = "xla", confidence_backend: str = "xla", kv_dtype=jnp.float32,
+                 mesh=None):
         self.params = params
         self.cfg = cfg
         self.block_size = block_size
@@ -96,9 +97,16 @@ class ModelRunner:
         self.width_buckets = ladder(max_pages_per_row, 4)
         self.prefill_buckets = pow2_buckets(max_prefill_blocks)
         self.max_prefill_blocks = self.prefill_buckets[-1]
+        self.mesh = mesh
         self.kv_pages = init_kv_pages(cfg, num_pages, block_size, kv_dtype)
+        if mesh is not None:
+            from dllm_jax.sharding import shard_kv_pages, shard_params
+
+            self.params = shard_params(params, cfg, mesh)
+            self.kv_pages = shard_kv_pages(self.kv_pages, cfg, mesh)
         base = StepSpec(model=cfg, block_size=block_size, mask_id=mask_id, algorithm=algorithm,
-                        attention_backend=attention_backend, confidence_backend=confidence_backend, loop=loop)
+                        attention_backend=attention_backend, confidence_backend=confidence_backend, loop=loop,
+                        mesh=mesh)
         self.greedy_spec = base
         self.sampling_spec = dataclasses.replace(base, sampling=True)
         self.prefill_spec = dataclasses.replace(base, algorithm=None)

@@ -1,0 +1,106 @@
+"""Tensor parallelism over 4 virtual CPU devices: same tokens as one device, really sharded, no full logits."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import build_tiny_model
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [3, 4], [11, 12, 13, 14, 15, 16, 17, 18], [63, 2, 63, 3]]
+PARAMS = {"max_new_tokens": 10, "ignore_eos": True}
+VOCAB = 96  # distinct from every other dimension of the model, so HLO shapes with it are logits
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    return {
+        # heads divide TP 2 (4 q / 2 kv), and only the q heads divide TP 4 (KV stays replicated there)
+        "even": build_tiny_model(root / "even", vocab=VOCAB),
+        # 6 q heads / 3 kv heads: KV never divides 2 or 4; q divides 2 only; tied embeddings
+        "odd": _odd_model(root / "odd"),
+    }
+
+
+def _odd_model(path):
+    from dllm_jax.config import ModelConfig
+    from dllm_jax.model.loader import save_hf
+    from dllm_jax.model.qwen3 import init_params
+
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=72, num_layers=2, num_heads=6,
+                      num_kv_heads=3, head_dim=8, max_position_embeddings=256, mask_token_id=63, block_size=4,
+                      eos_token_ids=(1,), tie_word_embeddings=True)
+    save_hf(init_params(cfg, jax.random.PRNGKey(1), std=0.5), cfg, str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("kind,schedule", [
+    ("even", "fdfo"), ("odd", "sync"),
+    pytest.param("even", "sync", marks=pytest.mark.slow), pytest.param("odd", "fdfo", marks=pytest.mark.slow)])
+def test_tp_outputs_equal_single_device(models, make_engine, kind, schedule):
+    assert len(jax.devices()) >= 4, "conftest sets four CPU devices"
+    outs = {}
+    for tp in (1, 2, 4):
+        engine = make_engine(models[kind], tensor_parallel_size=tp, schedule=schedule, max_running_requests=4)
+        outs[tp] = [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)]
+    assert outs[2] == outs[1] and outs[4] == outs[1]
+
+
+def _per_device_bytes(x):
+    return max(s.data.nbytes for s in x.addressable_shards)
+
+
+def test_parameters_and_kv_pages_are_sharded(models, make_engine):
+    engine = make_engine(models["even"], tensor_parallel_size=2, max_running_requests=2)
+    params = engine.runner.params
+    layer = params["layers"][0]
+    for name in ("q", "k", "v", "gate", "up"):
+        assert _per_device_bytes(layer[name]) * 2 == layer[name].nbytes, name
+    for name in ("o", "down"):
+        assert layer[name].sharding.spec[0] == "tp", name
+    assert _per_device_bytes(params["embed"]) * 2 == params["embed"].nbytes
+    assert _per_device_bytes(params["lm_head"]) * 2 == params["lm_head"].nbytes
+    k_pool = engine.runner.kv_pages[0][0]
+    assert k_pool.sharding.spec[0] == "tp" and _per_device_bytes(k_pool) * 2 == k_pool.nbytes
+    engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)
+    k_pool = engine.runner.kv_pages[0][0]  # still sharded after donated steps
+    assert k_pool.sharding.spec[0] == "tp" and _per_device_bytes(k_pool) * 2 == k_pool.nbytes
+
+
+def test_replicated_when_heads_do_not_divide(models, make_engine):
+    engine = make_engine(models["odd"], tensor_parallel_size=4, max_running_requests=2)
+    layer = engine.runner.params["layers"][0]
+    assert layer["k"].sharding.spec == jax.sharding.PartitionSpec(None, None)  # 3 KV heads over 4 devices
+    assert layer["gate"].sharding.spec[1] == "tp"  # the MLP still splits (72 / 4)
+
+
+def test_full_logits_never_materialised(models, make_engine):
+    """Compile a TP=4 denoise step and check its HLO holds no [positions, full vocab] buffer."""
+    from dllm_jax.engine.runner import DecodeRow
+
+    engine = make_engine(models["even"], tensor_parallel_size=4, max_running_requests=2)
+    runner = engine.runner
+    rows = 2
+    captured = {}
+    B = runner.block_size
+    import dllm_jax.engine.runner as runner_mod
+
+    real = runner_mod.denoise
+
+    def spy(params, kv_pages, batch, state, *, spec):
+        captured["hlo"] = real.lower(params, kv_pages, batch, state, spec=spec).compile().as_text()
+        return real(params, kv_pages, batch, state, spec=spec)
+
+    runner_mod.denoise = spy
+    try:
+        runner.denoise([DecodeRow(tokens=np.full(B, 63, np.int32), immutable=np.zeros(B, bool), prefix_pages=[],
+                                  write_page=0, steps_taken=0, temperature=0.0, top_k=-1, top_p=1.0, seed=0,
+                                  rng_step=0, algo_state=None)] * rows)
+    finally:
+        runner_mod.denoise = real
+    hlo = captured["hlo"]
+    positions = rows * B
+    assert re.search(rf"f32\[{positions},{VOCAB // 4}\]", hlo), "expected per-shard logits [N, V/4]"
+    assert not re.search(rf"\[{positions},{VOCAB}\]", hlo), "a full [N, V] buffer exists on one device"
