@@ -84,9 +84,11 @@ class ApiError(Exception):
              405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
              503: "server_busy"}
 
-    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None,
+                 reason: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers
+        self.reason = reason or {400: "invalid", 401: "unauthorized", 413: "too_large", 503: "unavailable"}.get(status)
 
     def response(self) -> JSONResponse:
         return JSONResponse(error_body(self.status, self.message, self.param), status_code=self.status,
@@ -233,15 +235,20 @@ class Server:
             except ValueError as e:
                 raise bad_request(str(e), renames) from None
         if self.inflight + n > self.capacity:
-            self.metrics.rejected.labels("queue_full").inc()
             raise ApiError(503, f"server busy: {self.inflight} requests in flight, capacity {self.capacity}; "
-                                f"retry later", headers={"Retry-After": str(self.settings.retry_after_s)})
+                                f"retry later", headers={"Retry-After": str(self.settings.retry_after_s)},
+                           reason="queue_full")
         batch.reqs = reqs
         self.inflight += n
         batch.reserved = n
         for req in reqs:
             self.live[req.rid] = req
-            self.engine.submit(req)
+        try:
+            for req in reqs:
+                self.engine.submit(req)
+        except RuntimeError as e:  # the engine is shutting down
+            batch.close()
+            raise ApiError(503, f"the server is shutting down: {e}") from None
         return batch
 
 
@@ -419,15 +426,14 @@ class Gate:
             await send(message)
 
         if self.settings.api_key and path not in OPEN_PATHS and not self._authorized(scope):
-            server = self.server_ref()
-            if server is not None:
-                server.metrics.rejected.labels("unauthorized").inc()
+            self._count("unauthorized")
             err = ApiError(401, "unauthorized: missing or invalid API key (Authorization: Bearer KEY)",
                            headers={"WWW-Authenticate": "Bearer"})
             return await err.response()(scope, receive, send_wrapper)
         limit = self.settings.max_request_bytes
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
+            self._count("too_large")
             err = ApiError(413, f"body: the request body has {length} bytes; the limit is {limit}", "body")
             return await err.response()(scope, receive, send_wrapper)
         received = 0
@@ -442,6 +448,11 @@ class Gate:
             return message
 
         await self.app(scope, receive_wrapper, send_wrapper)
+
+    def _count(self, reason: str) -> None:
+        server = self.server_ref()
+        if server is not None:
+            server.metrics.rejected.labels(reason).inc()
 
     def _authorized(self, scope) -> bool:
         value = _header(scope, b"authorization") or ""
@@ -501,21 +512,24 @@ def create_app(engine=None, settings: ServerSettings | None = None, *,
         return server
 
     # -- errors ---------------------------------------------------------------------------------
+    def reject(exc: ApiError) -> JSONResponse:
+        server = holder["server"]
+        if server is not None and exc.reason is not None:
+            server.metrics.rejected.labels(exc.reason).inc()
+        return exc.response()
+
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
-        return exc.response()
+        return reject(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        server = holder["server"]
-        if server is not None:
-            server.metrics.rejected.labels("invalid").inc()
-        return error_from_validation(exc).response()
+        return reject(error_from_validation(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         if isinstance(exc.__cause__, ApiError):  # e.g. the body-size limit hit while FastAPI read the body
-            return exc.__cause__.response()
+            return reject(exc.__cause__)
         return ApiError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)).response()
 
     @app.exception_handler(Exception)
@@ -741,6 +755,8 @@ async def _generate_stream(server: Server, batch: Batch, batch_mode: bool):
     async for index, chunk in batch.events():
         if incremental:
             out = {"text": chunk["text"], "output_ids": chunk["output_ids"], "meta_info": chunk["meta_info"]}
+        elif chunk["finished"]:  # the whole answer, exactly as the non-streaming one
+            out = {**server.engine.result(batch.reqs[index]), "meta_info": chunk["meta_info"]}
         else:
             text[index] += chunk["text"]
             ids[index] += chunk["output_ids"]
