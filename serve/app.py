@@ -45,7 +45,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serve.metrics import ServerMetrics
+from serve.metrics import ServerMetrics, snapshot
 from serve.schemas import (OPENAI_FIELD_NAMES, AbortRequest, ChatCompletionRequest, CompletionRequest,
                            GenerateRequest, ProfileRequest, format_loc)
 
@@ -177,7 +177,7 @@ class Server:
         return self.engine.max_running_requests + self.settings.max_queued_requests
 
     def load_snapshot(self) -> dict:
-        return self.engine.get_load()
+        return snapshot(self.engine.get_load)
 
     @property
     def max_prompt_tokens(self) -> int:

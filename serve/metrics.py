@@ -20,13 +20,15 @@ PREFIX = "dllm"
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
 
 
-def _snapshot(get_load: Callable[[], dict]) -> dict:
-    for _ in range(5):  # the engine thread may add a counter key while we copy; just retry
+def snapshot(get_load: Callable[[], dict]) -> dict:
+    """``engine.get_load()`` from another thread: the engine's thread may add a counter key while it is copied;
+    just try again."""
+    for _ in range(10):
         try:
             return dict(get_load())
         except RuntimeError:
             continue
-    return {}
+    return dict(get_load())
 
 
 class EngineCollector:
@@ -57,7 +59,7 @@ class EngineCollector:
         self.get_load = get_load
 
     def collect(self):
-        load = _snapshot(self.get_load)
+        load = snapshot(self.get_load)
         for key, name, doc in self.COUNTERS:
             c = CounterMetricFamily(f"{PREFIX}_{name}", doc)
             c.add_metric([], float(load.get(key, 0)))

@@ -307,6 +307,32 @@ def test_generate_endpoints_equal_python_api(client, engine, examples):
         assert sum(right) >= len(exs) - 1, [(ex.prompt, ex.answer, r["text"]) for ex, r in zip(exs, ref)]
 
 
+def test_stop_conditions_equal_python_api(client, engine, examples):
+    text = chat_text(engine, examples[6].prompt)
+    free = engine.generate(prompt=text, sampling_params={"max_new_tokens": 40, **GREEDY, "ignore_eos": True})
+    out = free["output_ids"]
+    assert len(out) >= 10
+    stop_id = out[len(out) // 2]
+    words = [w for w in (engine.tokenizer.decode([t]).strip() for t in out[3:]) if w.isalnum()]
+    assert words, free["text"]
+    stop_str = words[len(words) // 2]
+    for params in ({"stop_token_ids": [stop_id]}, {"stop": stop_str}, {"stop": [stop_str, "zzzz"]}):
+        params = {"max_new_tokens": 40, **GREEDY, "ignore_eos": True, **params}
+        ref = engine.generate(prompt=text, sampling_params=params)
+        assert ref["meta_info"]["finish_reason"]["type"] == "stop", ref
+        got = client.post("/generate", json={"text": text, "sampling_params": params}).json()
+        assert (got["text"], got["output_ids"]) == (ref["text"], ref["output_ids"])
+        assert got["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"]
+        events = stream_post(client, "/generate", {"text": text, "sampling_params": params, "stream": True})
+        assert (events[-2]["text"], events[-2]["output_ids"]) == (ref["text"], ref["output_ids"])
+        body = {"prompt": text, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        body.update({k: v for k, v in params.items() if k in ("stop", "stop_token_ids")})
+        comp = client.post("/v1/completions", json=body).json()["choices"][0]
+        assert comp["text"] == ref["text"] and comp["finish_reason"] == "stop"
+        assert comp["matched_stop"] == ref["meta_info"]["finish_reason"]["matched"]
+    assert stop_str not in ref["text"]
+
+
 @NEEDS_SHIPPED
 def test_heldout_answers_over_http(client, examples):
     """The shipped model answers held-out prompts right through every endpoint."""
