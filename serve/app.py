@@ -669,15 +669,15 @@ def create_app(engine=None, settings: ServerSettings | None = None, *,
             else:
                 ids_list.append(p)
                 echoes.append(None)
-        params = body.sampling_dict(body.max_tokens)
-        batch = server.start_batch(ids_list, [params] * len(ids_list), fields, stream=body.stream,
-                                   renames=OPENAI_FIELD_NAMES)
-        if body.echo:
+        if body.echo:  # a token-id prompt is echoed with its special tokens (the mask token included)
             tok = server.engine.tokenizer
             echoes = [e if e is not None else (tok.decode(ids, skip_special_tokens=False) if tok else "")
                       for e, ids in zip(echoes, ids_list)]
         else:
             echoes = [""] * len(ids_list)
+        params = body.sampling_dict(body.max_tokens)
+        batch = server.start_batch(ids_list, [params] * len(ids_list), fields, stream=body.stream,
+                                   renames=OPENAI_FIELD_NAMES)
         cid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
             return SSEResponse(_completion_stream(server, batch, body, cid, echoes), lambda gone: batch.close(gone))
