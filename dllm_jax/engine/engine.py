@@ -67,7 +67,8 @@ class Engine:
                  tensor_parallel_size: int = 1, expert_parallel_size: int = 1, profile_dir: str | None = None,
                  profile_steps: int = 64,
                  seed: int = 0, context_length: int | None = None, max_prefill_tokens: int = 2048,
-                 mask_token_id: int | None = None, warmup: bool = False, kv_memory_fraction: float = 0.85):
+                 mask_token_id: int | None = None, warmup: bool = False, kv_memory_fraction: float = 0.85,
+                 channel=None):
         from dllm_jax.model.loader import load_model
 
         if schedule not in SCHEDULES:
@@ -129,12 +130,16 @@ class Engine:
 
             mesh = make_mesh(tensor_parallel_size, expert_parallel_size)
         self.mesh = mesh
+        if channel is None:
+            from dllm_jax.distributed import default_channel
+
+            channel = default_channel()
         self.runner = ModelRunner(
             loaded.params, cfg, block_size=B, mask_id=self.mask_token_id, algorithm=self.algorithm,
             num_pages=num_kv_pages, max_rows=max_running_requests, max_pages_per_row=pages_per_row,
             max_prefill_blocks=max(1, min(max_prefill_tokens // B, pages_per_row)), loop=schedule == "sync",
             attention_backend=self.attention_backend, confidence_backend=self.confidence_backend,
-            kv_dtype=jnp.dtype(dtype), mesh=mesh)
+            kv_dtype=jnp.dtype(dtype), mesh=mesh, channel=channel)
         self.allocator = PageAllocator(num_kv_pages)
         self.radix = BlockRadixIndex(B, self.allocator, enabled=enable_prefix_cache)
         self.scheduler = Scheduler(
@@ -319,7 +324,20 @@ class Engine:
             for req in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self.scheduler.abort(req, message=f"internal error: {type(error).__name__}: {error}")
 
+    @property
+    def is_leader(self) -> bool:
+        """Multi-host: only process 0 schedules; the others call :meth:`follow`."""
+        return jax.process_index() == 0
+
+    def follow(self) -> int:
+        """Follower hosts: run the leader's device calls until it shuts down (see dllm_jax.distributed)."""
+        if self.runner.channel is None:
+            raise RuntimeError("follow() needs a multi-host channel (several processes)")
+        return self.runner.follow()
+
     def shutdown(self) -> None:
+        if self._shutdown:
+            return
         if self._thread is not None:
             self._stop.set()
             self._wakeup.set()
@@ -331,6 +349,8 @@ class Engine:
                 self.scheduler.abort(req, message="engine shut down")
         if self._profiling:
             self.stop_profile()
+        if self.is_leader:
+            self.runner.stop_followers()
         self._shutdown = True
 
     def __enter__(self):

@@ -29,6 +29,10 @@ from dllm_jax.decode.step import DenoiseBatch, StepSpec, denoise, init_kv_pages,
 from dllm_jax.cache.pages import TRASH_PAGE
 
 
+KIND_STOP, KIND_PREFILL, KIND_DENOISE = 0, 1, 2
+STATE_PREFIX = "state."
+
+
 def pow2_buckets(limit: int) -> tuple[int, ...]:
     out, b = [], 1
     while b < limit:
@@ -88,7 +92,7 @@ class ModelRunner:
     def __init__(self, params, cfg, *, block_size: int, mask_id: int, algorithm: Algorithm, num_pages: int,
                  max_rows: int, max_pages_per_row: int, max_prefill_blocks: int, loop: bool,
                  attention_backend: str = "xla", confidence_backend: str = "xla", kv_dtype=jnp.float32,
-                 mesh=None):
+                 mesh=None, channel=None):
         self.params = params
         self.cfg = cfg
         self.block_size = block_size
@@ -98,6 +102,7 @@ class ModelRunner:
         self.prefill_buckets = pow2_buckets(max_prefill_blocks)
         self.max_prefill_blocks = self.prefill_buckets[-1]
         self.mesh = mesh
+        self.channel = channel  # multi-host: how the leader's step inputs reach the followers
         self.kv_pages = init_kv_pages(cfg, num_pages, block_size, kv_dtype)
         if mesh is not None:
             from dllm_jax.sharding import shard_kv_pages, shard_params
@@ -114,6 +119,65 @@ class ModelRunner:
         self.device_calls = 0
 
     # -------------------------------------------------------------------------------------------
+    # Device calls. With several processes (multi-host), the leader sends every call's padded inputs to the
+    # followers first, so all processes run the same SPMD program on the same data.
+    def _execute(self, kind: int, arrays: dict[str, np.ndarray]):
+        if self.channel is not None:
+            self.channel.send(np.asarray([kind, *arrays["page_table"].shape], np.int32), arrays)
+        self.device_calls += 1
+        if kind == KIND_PREFILL:
+            self.kv_pages = prefill(self.params, self.kv_pages, arrays["tokens"], arrays["page_table"],
+                                    arrays["prefix_len"], arrays["write"], spec=self.prefill_spec)
+            return None
+        state = {k[len(STATE_PREFIX):]: v for k, v in arrays.items() if k.startswith(STATE_PREFIX)}
+        batch = DenoiseBatch(**{f.name: arrays[f.name] for f in dataclasses.fields(DenoiseBatch)})
+        sampling = bool(np.any((arrays["temperature"] > 0) & (arrays["top_k"] != 1)))
+        spec = self.sampling_spec if sampling else self.greedy_spec
+        self.kv_pages, result = denoise(self.params, self.kv_pages, batch, state, spec=spec)
+        return result
+
+    def _template(self, header: np.ndarray) -> dict[str, np.ndarray]:
+        """Zero arrays shaped like the leader's call (followers receive into them)."""
+        kind, rows, width = (int(x) for x in header)
+        B = self.block_size
+        if kind == KIND_PREFILL:
+            return {"tokens": np.zeros((rows, B), np.int32), "page_table": np.zeros((rows, width), np.int32),
+                    "prefix_len": np.zeros((rows,), np.int32), "write": np.zeros((rows, 1), np.int32)}
+        out = {"tokens": np.zeros((rows, B), np.int32), "immutable": np.zeros((rows, B), np.bool_),
+               "page_table": np.zeros((rows, width), np.int32), "prefix_len": np.zeros((rows,), np.int32),
+               "write_page": np.zeros((rows,), np.int32), "steps_taken": np.zeros((rows,), np.int32),
+               "temperature": np.zeros((rows,), np.float32), "top_k": np.zeros((rows,), np.int32),
+               "top_p": np.zeros((rows,), np.float32), "seed": np.zeros((rows,), np.uint32),
+               "rng_step": np.zeros((rows,), np.int32)}
+        for k, v in self._fresh_state.items():
+            out[STATE_PREFIX + k] = np.zeros((rows,) + v.shape, v.dtype)
+        return out
+
+    def follow(self) -> int:
+        """Follower loop (every process but the leader): run each call the leader sends until it stops.
+        Returns the number of calls run."""
+        calls = 0
+        while True:
+            header, arrays = self.channel.recv(self._template)
+            if int(header[0]) == KIND_STOP:
+                return calls
+            self._execute_local(int(header[0]), arrays)
+            calls += 1
+
+    def _execute_local(self, kind, arrays):
+        channel, self.channel = self.channel, None
+        try:
+            result = self._execute(kind, arrays)
+            if result is not None:
+                jax.block_until_ready(result)
+        finally:
+            self.channel = channel
+
+    def stop_followers(self) -> None:
+        if self.channel is not None:
+            self.channel.send(np.asarray([KIND_STOP, 0, 0], np.int32), {})
+
+    # -------------------------------------------------------------------------------------------
     def prefill(self, rows: list[PrefillRow]) -> None:
         B = self.block_size
         R = pick_bucket(len(rows), self.prefill_buckets)
@@ -127,8 +191,7 @@ class ModelRunner:
             table[i, : len(r.prefix_pages)] = r.prefix_pages
             prefix[i] = len(r.prefix_pages) * B
             write[i, 0] = r.write_page
-        self.kv_pages = prefill(self.params, self.kv_pages, tokens, table, prefix, write, spec=self.prefill_spec)
-        self.device_calls += 1
+        self._execute(KIND_PREFILL, {"tokens": tokens, "page_table": table, "prefix_len": prefix, "write": write})
 
     def denoise(self, rows: list[DecodeRow]) -> DecodeOutput:
         B = self.block_size
@@ -162,13 +225,11 @@ class ModelRunner:
             if r.algo_state is not None:
                 for k, v in r.algo_state.items():
                     state[k][i] = v
-        sampling = bool(np.any((temperature > 0) & (top_k != 1)))
-        batch = DenoiseBatch(tokens=tokens, immutable=immutable, page_table=table, prefix_len=prefix,
-                             write_page=write, steps_taken=steps_taken, temperature=temperature, top_k=top_k,
-                             top_p=top_p, seed=seed, rng_step=rng_step)
-        spec = self.sampling_spec if sampling else self.greedy_spec
-        self.kv_pages, result = denoise(self.params, self.kv_pages, batch, state, spec=spec)
-        self.device_calls += 1
+        arrays = {"tokens": tokens, "immutable": immutable, "page_table": table, "prefix_len": prefix,
+                  "write_page": write, "steps_taken": steps_taken, "temperature": temperature, "top_k": top_k,
+                  "top_p": top_p, "seed": seed, "rng_step": rng_step,
+                  **{STATE_PREFIX + k: v for k, v in state.items()}}
+        result = self._execute(KIND_DENOISE, arrays)
         result = jax.device_get(result)  # the one host sync of this step
         states = [{k: v[i] for k, v in result.state.items()} for i in range(n)]
         return DecodeOutput(tokens=np.asarray(result.tokens[:n]), done=np.asarray(result.done[:n]),
