@@ -343,6 +343,22 @@ class Batch:
     def results(self) -> list[dict]:
         return [self.server.engine.result(r) for r in self.reqs]
 
+    def deltas(self) -> AsyncIterator[tuple[int, dict, str]]:
+        """``events()`` with each chunk's new text, the last one computed from the finished answer: streamed
+        deltas then add up to the non-streaming text (a stop string found across a block boundary cuts text that
+        an earlier chunk already carried; that text cannot be taken back, but it is never sent twice)."""
+        return self._deltas()
+
+    async def _deltas(self):
+        sent = [""] * len(self.reqs)
+        async for index, chunk in self.events():
+            delta = chunk["text"]
+            if chunk["finished"]:
+                full = self.server.engine.result(self.reqs[index])["text"]
+                delta = full[len(sent[index]):] if full.startswith(sent[index]) else ""
+            sent[index] += delta
+            yield index, chunk, delta
+
 
 def _abort_error(results: list[dict]) -> ApiError | None:
     for res in results:
@@ -752,9 +768,9 @@ async def _generate_stream(server: Server, batch: Batch, batch_mode: bool):
     incremental = server.settings.incremental_streaming_output
     text = [""] * len(batch.reqs)
     ids: list[list[int]] = [[] for _ in batch.reqs]
-    async for index, chunk in batch.events():
+    async for index, chunk, delta in batch.deltas():
         if incremental:
-            out = {"text": chunk["text"], "output_ids": chunk["output_ids"], "meta_info": chunk["meta_info"]}
+            out = {"text": delta, "output_ids": chunk["output_ids"], "meta_info": chunk["meta_info"]}
         elif chunk["finished"]:  # the whole answer, exactly as the non-streaming one
             out = {**server.engine.result(batch.reqs[index]), "meta_info": chunk["meta_info"]}
         else:
@@ -808,7 +824,7 @@ async def _completion_stream(server: Server, batch: Batch, body: CompletionReque
     for i, echo in enumerate(echoes):
         if echo:
             yield frame([{"index": i, "text": echo, "logprobs": None, "finish_reason": None}])
-    async for index, chunk in batch.events():
+    async for index, chunk, delta in batch.deltas():
         meta = chunk["meta_info"]
         metas[index] = meta
         error = _stream_error(meta) if chunk["finished"] else None
@@ -816,8 +832,8 @@ async def _completion_stream(server: Server, batch: Batch, body: CompletionReque
             yield sse(error)
             continue
         finish = _openai_finish(meta) if chunk["finished"] else None
-        if chunk["text"] or finish:
-            choice = {"index": index, "text": chunk["text"], "logprobs": None, "finish_reason": finish}
+        if delta or finish:
+            choice = {"index": index, "text": delta, "logprobs": None, "finish_reason": finish}
             if finish:
                 choice["matched_stop"] = _matched(meta)
             yield frame([choice], _usage(list(metas.values())) if continuous else None)
@@ -841,7 +857,7 @@ async def _chat_stream(server: Server, batch: Batch, body: ChatCompletionRequest
     for i in range(len(batch.reqs)):
         yield frame([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}])
-    async for index, chunk in batch.events():
+    async for index, chunk, delta in batch.deltas():
         meta = chunk["meta_info"]
         metas[index] = meta
         usage = _usage(list(metas.values())) if continuous else None
@@ -849,8 +865,8 @@ async def _chat_stream(server: Server, batch: Batch, body: ChatCompletionRequest
         if error is not None:
             yield sse(error)
             continue
-        if chunk["text"]:
-            yield frame([{"index": index, "delta": {"content": chunk["text"]}, "logprobs": None,
+        if delta:
+            yield frame([{"index": index, "delta": {"content": delta}, "logprobs": None,
                           "finish_reason": None}], usage)
         if chunk["finished"]:
             yield frame([{"index": index, "delta": {}, "logprobs": None, "finish_reason": _openai_finish(meta),

@@ -1,4 +1,5 @@
-"""``dllm-jax serve`` / ``python -m serve`` argument handling and the app factory, without starting a server."""
+"""`dllm-jax serve` / `python -m serve` argument handling, and the app in-process (starlette TestClient) on the tiny
+random model: no uvicorn process here (tests/test_serve.py has those)."""
 
 import pytest
 
@@ -58,3 +59,45 @@ def test_import_dllm_jax_does_not_need_fastapi():
     code = ("import sys; import dllm_jax, dllm_jax.cli; "
             "assert 'fastapi' not in sys.modules and 'uvicorn' not in sys.modules, sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, env={"JAX_PLATFORMS": "cpu", "PATH": ""})
+
+
+def _sse(text: str) -> list:
+    import json
+
+    out = []
+    for line in text.splitlines():
+        if line.startswith("data: "):
+            out.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+    return out
+
+
+def test_in_process_app_incremental_streaming(tiny_model):
+    """``create_app`` over an engine built by the caller; ``--incremental-streaming-output`` sends only the new part
+    of each block, and the parts add up to the non-streaming answer. A tokenizer-less model answers text with 400."""
+    from fastapi.testclient import TestClient
+
+    import dllm_jax
+    from serve import ServerSettings, create_app
+
+    engine = dllm_jax.Engine(tiny_model, max_running_requests=2, context_length=64)
+    app = create_app(engine, ServerSettings(incremental_streaming_output=True, max_queued_requests=2),
+                     own_engine=False)
+    body = {"input_ids": [5, 6, 7, 8, 9], "sampling_params": {"max_new_tokens": 20, "ignore_eos": True}}
+    with TestClient(app) as client:
+        whole = client.post("/generate", json=body).json()
+        events = _sse(client.post("/generate", json={**body, "stream": True}).text)
+        assert events[-1] == "[DONE]"
+        parts = [e["output_ids"] for e in events[:-1]]
+        assert sum(parts, []) == whole["output_ids"] and len(whole["output_ids"]) == 20
+        assert len(parts) >= 2 and all(parts)  # prompt tail block, then whole blocks of 4
+        r = client.post("/generate", json={"text": "hello"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "text"
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        load = client.get("/internal/load").json()
+        assert load["server_capacity"] == 4 and load["server_inflight"] == 0
+    # the app did not own the engine: it is still usable, and every page came back
+    assert engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3})["meta_info"][
+        "completion_tokens"] == 3
+    engine.shutdown()
+    assert engine.allocator.num_free + engine.radix.total == engine.allocator.capacity
