@@ -1,0 +1,176 @@
+"""The baseline people use today: a Hugging Face ``transformers`` Qwen3 driven by SDAR's block-diffusion loop.
+
+Written from the description of the loop SDAR's authors publish (``generate.py::block_diffusion_generate``):
+
+1. prefill: one forward over the prompt's *complete* blocks under the block-causal mask, storing their K/V in a
+   ``DynamicCache``;
+2. per block (the first one holds the prompt's tail, whose positions are fixed): while the block still has
+   masks, run the model over all ``B`` positions against the cache *without keeping* the block's K/V (the cache
+   is cropped back), and unmask with greedy LowConfidence; once no mask is left, one more forward over the final
+   tokens stores the block's K/V;
+3. stop at an EOS / stop id (tokens after it dropped) or at ``max_new_tokens`` (the excess of the block dropped).
+
+It follows the engine's decode semantics exactly, so the two must produce the same tokens (greedy, float32):
+the mask id is never a candidate (its logit is excluded before the argmax and the softmax), the threshold test
+is strict (``p > threshold``), a step commits at least one position (the most confident, compared on a 2^-16
+grid with ties going to the lowest position), logits at position ``i`` predict token ``i`` (no shift), and a
+block counts ``m + 1`` forwards for ``m`` unmasking steps (the last one being the storing forward).
+
+Masks are 4D float additive masks (0 = visible, the dtype's minimum = hidden): transformers applies a custom 4D
+mask as given (no causal mask on top), under ``eager`` and ``sdpa`` alike.
+
+Only torch and transformers are needed (``pip install dllm-jax[bench]``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import time
+
+import numpy as np
+
+TIE_RESOLUTION = 2.0 ** -16
+
+
+class HFBlockDiffusion:
+    """``HFBlockDiffusion(model_dir).generate(prompt_ids, max_new_tokens)`` -> dict (see :meth:`generate`)."""
+
+    def __init__(self, model_dir: str, *, block_size: int | None = None, threshold: float = 0.95,
+                 attn_implementation: str = "sdpa", num_threads: int | None = None):
+        import torch
+        from transformers import Qwen3ForCausalLM
+
+        from dllm_jax.model.loader import load_tokenizer, resolve_config
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.torch = torch
+        self.tokenizer = load_tokenizer(model_dir)
+        cfg = resolve_config(model_dir, self.tokenizer, block_size=block_size)
+        self.block_size = int(cfg.block_size)
+        self.mask_id = int(cfg.mask_token_id)
+        self.eos_ids = frozenset(int(e) for e in cfg.eos_token_ids)
+        self.threshold = float(threshold)
+        self.model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                      attn_implementation=attn_implementation).eval()
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.forwards = 0
+        self.num_threads = torch.get_num_threads()
+
+    def calibrate_threads(self, candidates=None, reps: int = 3) -> int:
+        """Give the baseline its best torch thread count: time a block forward with each candidate (default:
+        1 and the machine's count) and keep the fastest. On a busy machine torch's intra-op threads can be an
+        order of magnitude slower than one thread (spinning workers), which would flatter the engine."""
+        torch = self.torch
+        default = torch.get_num_threads()
+        candidates = sorted(set(candidates or (1, default, os.cpu_count() or 1)))
+        ids = np.full(self.block_size, self.mask_id, np.int64)
+        best, best_t = default, float("inf")
+        self.thread_timings = {}
+        for n in candidates:
+            torch.set_num_threads(n)
+            times = []
+            with torch.inference_mode():
+                for _ in range(reps + 1):
+                    t0 = time.perf_counter()
+                    self._forward(ids, 0, torch.zeros(1, 1, self.block_size, self.block_size), None,
+                                  keep_logits=True)
+                    times.append(time.perf_counter() - t0)
+            self.thread_timings[n] = min(times[1:])
+            if self.thread_timings[n] < best_t:
+                best, best_t = n, self.thread_timings[n]
+        torch.set_num_threads(best)
+        self.forwards = 0
+        self.num_threads = best
+        return best
+
+    # ------------------------------------------------------------------------------------------
+    def _forward(self, ids: list[int] | np.ndarray, start: int, mask, cache, *, keep_logits: bool):
+        torch = self.torch
+        ids_t = torch.as_tensor(np.asarray(ids, np.int64))[None]
+        pos = torch.arange(start, start + ids_t.shape[1])[None]
+        kwargs = {self._cache_kw: cache}
+        out = self.model(input_ids=ids_t, position_ids=pos, attention_mask=mask, use_cache=True,
+                         logits_to_keep=0 if keep_logits else 1, **kwargs)
+        self.forwards += 1
+        return out.logits[0] if keep_logits else None
+
+    def _block_causal_mask(self, n: int):
+        """``[1, 1, n, n]`` additive mask: key k visible from query q iff ``k // B <= q // B``."""
+        torch = self.torch
+        blk = torch.arange(n) // self.block_size
+        visible = blk[None, :] <= blk[:, None]
+        mask = torch.zeros(n, n, dtype=torch.float32)
+        mask.masked_fill_(~visible, torch.finfo(torch.float32).min)
+        return mask[None, None]
+
+    def _select(self, logits, block: np.ndarray, immutable: np.ndarray) -> np.ndarray:
+        """One greedy LowConfidence update of ``block`` (the engine's rule, see the module docstring)."""
+        torch = self.torch
+        logits = logits.float().clone()
+        logits[:, self.mask_id] = -float("inf")
+        top, arg = logits.max(dim=-1)
+        p = torch.exp(top - torch.logsumexp(logits, dim=-1))
+        x, p = arg.numpy(), p.numpy().astype(np.float32)
+        masked = (block == self.mask_id) & ~immutable
+        conf = np.where(masked, p, -np.inf)
+        commit = masked & (conf > np.float32(self.threshold))
+        if not commit.any():
+            commit[int(np.argmax(np.floor(conf / TIE_RESOLUTION)))] = True
+        return np.where(commit, x, block)
+
+    # ------------------------------------------------------------------------------------------
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, *, ignore_eos: bool = False,
+                 stop_token_ids=()) -> dict:
+        """Greedy block diffusion for one prompt. Returns ``output_ids``, ``forward_passes`` (prefill included),
+        ``latency`` and ``time_to_first_block`` (seconds)."""
+        from transformers import DynamicCache
+
+        torch = self.torch
+        B, mask_id = self.block_size, self.mask_id
+        stop = set(int(t) for t in stop_token_ids) | (set() if ignore_eos else set(self.eos_ids))
+        prompt = [int(t) for t in prompt_ids]
+        t0 = time.perf_counter()
+        first_block = None
+        forwards0 = self.forwards
+        out: list[int] = []
+        with torch.inference_mode():
+            cache = DynamicCache(config=self.model.config)
+            offset = len(prompt) // B * B
+            if offset:
+                self._forward(prompt[:offset], 0, self._block_causal_mask(offset), cache, keep_logits=False)
+            finished = max_new_tokens <= 0
+            while not finished:
+                n_imm = min(B, max(0, len(prompt) - offset))
+                block = np.full(B, mask_id, np.int64)
+                block[:n_imm] = prompt[offset:offset + n_imm]
+                immutable = np.arange(B) < n_imm
+                visible = torch.zeros(1, 1, B, offset + B)  # the block sees the whole prefix and itself
+                while True:
+                    if not ((block == mask_id) & ~immutable).any():
+                        # The block is final: one forward over it stores its K/V (no logits needed).
+                        self._forward(block, offset, visible, cache, keep_logits=False)
+                        break
+                    logits = self._forward(block, offset, visible, cache, keep_logits=True)
+                    _crop_to(cache, offset)  # denoising forwards do not keep the block's K/V
+                    block = self._select(logits, block, immutable)
+                if first_block is None:
+                    first_block = time.perf_counter()
+                for tok in block[n_imm:].tolist():
+                    out.append(int(tok))
+                    if tok in stop or len(out) >= max_new_tokens:
+                        finished = True
+                        break
+                offset += B
+        end = time.perf_counter()
+        return {"output_ids": out, "forward_passes": self.forwards - forwards0, "latency": end - t0,
+                "time_to_first_block": (first_block or end) - t0}
+
+
+def _crop_to(cache, length: int) -> None:
+    """Drop the cache's tokens past ``length`` (negative counts work on old and new transformers alike)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)

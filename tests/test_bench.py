@@ -1,0 +1,124 @@
+"""The benchmark suite's plumbing: the transformers block-diffusion loop equals the engine token for token, the
+CLI writes its tables / JSON / plots / summary, the roofline arithmetic matches reference/anchors.md."""
+
+import gzip
+import json
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # `bench` is a top-level folder of the repository, not always on the path
+    sys.path.insert(0, REPO)
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from conftest import TINY_MASK_ID  # noqa: E402
+
+M = TINY_MASK_ID
+PROMPTS = [[5, 6, 7, 8, 9, 10], [3, 4], [], [M, 2, M, 3], list(range(2, 30)), [7] * 9]
+
+
+@pytest.mark.parametrize("ignore_eos", [True, False])
+def test_transformers_loop_equals_engine(tiny_model, make_engine, ignore_eos):
+    """Same tokens and the same forward count (prefill + one per denoise step, the storing forward included)."""
+    from bench.hf_baseline import HFBlockDiffusion
+
+    hf = HFBlockDiffusion(tiny_model, threshold=0.9, num_threads=1)
+    engine = make_engine(tiny_model, algorithm_config={"threshold": 0.9}, enable_prefix_cache=False,
+                         max_running_requests=1)
+    params = {"max_new_tokens": 13, "ignore_eos": ignore_eos}
+    outs = engine.generate(input_ids=[list(p) for p in PROMPTS], sampling_params=params)
+    for prompt, out in zip(PROMPTS, outs):
+        ref = hf.generate(prompt, 13, ignore_eos=ignore_eos)
+        assert ref["output_ids"] == out["output_ids"], prompt
+        assert ref["forward_passes"] == out["meta_info"]["forward_passes"], prompt
+        assert M not in ref["output_ids"]
+
+
+def test_cli_writes_tables_json_plots_and_summary(tmp_path, capsys):
+    """`python -m bench baseline` on a tiny random model: every output file, identical tokens."""
+    from bench.cli import run
+
+    rc = run(["baseline", "--out", str(tmp_path), "--models", "tiny", "--baseline-prompts", "1",
+              "--max-new-tokens", "8", "--hf-threads", "1", "--quick"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "baseline: one request at a time" in printed and "targets (every figure, met or not)" in printed
+    for name in ("baseline.json", "baseline.png", "summary.json", "summary.txt"):
+        assert (tmp_path / name).is_file(), name
+    baseline = json.loads((tmp_path / "baseline.json").read_text())["models"]["tiny"]
+    for schedule in ("fdfo", "sync"):
+        assert baseline[schedule]["identical_fraction"] == 1.0
+        assert baseline[schedule]["tpf"] == pytest.approx(baseline["hf"]["tpf"])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert not summary["failures"]
+    names = [t["name"] for t in summary["targets"]]
+    assert any(n.startswith("baseline [tiny, 1 request, fdfo]") for n in names)
+
+
+def test_dllm_jax_cli_registers_bench(capsys):
+    from dllm_jax.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--help"])
+    assert exc.value.code == 0
+    assert "--profile-dir" in capsys.readouterr().out
+
+
+def test_roofline_floors_match_the_anchors():
+    """reference/anchors.md section 4.2: 0.74 / 0.82 ms memory floors at batch 1, 7.6 / 9.1 ms compute at 64."""
+    from bench.roofline import SDAR_1_7B, count_params, floors, model_config
+
+    cfg = model_config(SDAR_1_7B)
+    assert count_params(cfg) == pytest.approx(1.720e9, rel=1e-3)
+    b1 = floors(cfg, 1, 1024)
+    assert b1["bound"] == "memory" and b1["memory_floor_ms"] == pytest.approx(0.742, abs=0.005)
+    assert floors(cfg, 1, 4096)["memory_floor_ms"] == pytest.approx(0.815, abs=0.005)
+    b64 = floors(cfg, 64, 1024)
+    assert b64["bound"] == "compute" and b64["compute_floor_ms"] == pytest.approx(7.62, abs=0.02)
+    assert floors(cfg, 64, 4096)["compute_floor_ms"] == pytest.approx(9.08, abs=0.02)
+
+
+def test_trace_summary(tmp_path):
+    from bench.common import find_trace, summarize_trace
+
+    d = tmp_path / "plugins" / "profile" / "2026_01_01_00_00_00"
+    d.mkdir(parents=True)
+    events = [{"ph": "X", "name": "denoise_step", "dur": 1500.0}, {"ph": "X", "name": "denoise_step", "dur": 500.0},
+              {"ph": "X", "name": "commit", "dur": 100.0}, {"ph": "M", "name": "process_name"}]
+    with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    trace = find_trace(str(tmp_path))
+    assert trace is not None
+    assert summarize_trace(trace) == [("denoise_step", 2, 2.0), ("commit", 1, 0.1)]
+    assert summarize_trace(trace, ("commit",)) == [("commit", 1, 0.1)]
+
+
+@pytest.mark.slow
+def test_roofline_smoke(tmp_path):
+    """``python -m bench.roofline --smoke`` (tiny shapes, XLA) runs anywhere and writes its JSON."""
+    from bench.roofline import main
+
+    out = tmp_path / "roofline.json"
+    assert main(["--smoke", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all("step_ms" in r for r in rows)
+
+
+@pytest.mark.slow
+def test_quick_suite_on_tiny_model(tmp_path):
+    """Every CPU scenario end to end on the tiny model, with a profiled window (about two minutes)."""
+    from bench.cli import run
+
+    rc = run(["--quick", "--out", str(tmp_path), "--models", "tiny", "--prefix-models", "tiny", "--long-models",
+              "tiny", "--schedule-models", "tiny", "--long-tokens", "128,256", "--prefix-tokens", "128",
+              "--hf-threads", "1", "--profile-dir", str(tmp_path / "prof"), "--profile-steps", "8"])
+    assert rc == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert not summary["failures"]
+    assert summary["profile"]["trace"] and summary["profile"]["annotations"]
+    for name in ("baseline", "concurrency", "prefix", "long", "schedules", "engine"):
+        assert (tmp_path / f"{name}.json").is_file() and (tmp_path / f"{name}.png").is_file()
