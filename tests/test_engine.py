@@ -275,3 +275,19 @@ def test_pallas_backends_token_identical_in_interpret_mode(tmp_path, make_engine
                          max_running_requests=4)
     assert [o["output_ids"] for o in pallas.generate(input_ids=prompts, sampling_params=params)] == \
         [o["output_ids"] for o in xla.generate(input_ids=prompts, sampling_params=params)]
+
+
+def test_kv_pool_is_updated_in_place(tiny_model, make_engine):
+    """The page pool is donated to every step: the same device buffers come back, the old handles are dead."""
+    import warnings
+
+    engine = make_engine(tiny_model, max_running_requests=2)
+    engine.generate(input_ids=PROMPTS[0], sampling_params={"max_new_tokens": 4, "ignore_eos": True})  # compile
+    before = engine.runner.kv_pages
+    pointers = [(k.unsafe_buffer_pointer(), v.unsafe_buffer_pointer()) for k, v in before]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Some donated buffers were not usable" would mean a copy per step
+        engine.generate(input_ids=PROMPTS[4], sampling_params={"max_new_tokens": 8, "ignore_eos": True})
+    after = engine.runner.kv_pages
+    assert [(k.unsafe_buffer_pointer(), v.unsafe_buffer_pointer()) for k, v in after] == pointers
+    assert all(k.is_deleted() and v.is_deleted() for k, v in before)
