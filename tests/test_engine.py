@@ -38,6 +38,7 @@ def test_batch_equals_naive_reference(tiny_model, make_engine, naive_outputs, sc
 
 @pytest.mark.parametrize("kwargs", [
     dict(schedule="fdfo", enable_prefix_cache=False, max_running_requests=1),
+    dict(schedule="fdfo", max_running_requests=8, fold_commit_forward=False),  # SGLang's forward count
     dict(schedule="sync", max_running_requests=2, max_prefill_tokens=4),  # one block per prefill forward
     dict(schedule="fdfo", max_running_requests=8, num_kv_pages=12),  # forces retraction
     dict(schedule="sync", max_running_requests=8, num_kv_pages=12),
@@ -49,6 +50,21 @@ def test_token_identity_across_configurations(tiny_model, make_engine, naive_out
         assert engine.get_load()["retractions"] > 0, "the small pool was meant to force retraction"
     # A second pass hits the prefix cache (when on) and must not change a token.
     assert _outs(engine) == naive_outputs
+
+
+@pytest.mark.parametrize("schedule", ["fdfo", "sync"])
+def test_folding_the_commit_forward_saves_a_forward_per_block(tiny_model, make_engine, naive_outputs, schedule):
+    folded = make_engine(tiny_model, schedule=schedule, max_running_requests=1)
+    plain = make_engine(tiny_model, schedule=schedule, max_running_requests=1, fold_commit_forward=False)
+    prompt = PROMPTS[4]  # 28 tokens: 7 prompt blocks, then 4 blocks of output
+    a = folded.generate(input_ids=prompt, sampling_params=GREEDY)
+    b = plain.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert a["output_ids"] == b["output_ids"] == naive_outputs[4]
+    blocks = -(-14 // 4)
+    assert b["meta_info"]["forward_passes"] - a["meta_info"]["forward_passes"] == blocks
+    # The folded blocks are cached after their refresh: a second run hits all complete blocks but the last.
+    again = folded.generate(input_ids=prompt + a["output_ids"][:12], sampling_params=GREEDY)
+    assert again["meta_info"]["cached_tokens"] == 40
 
 
 def test_cached_tokens_first_match_and_never_negative(tiny_model, make_engine):

@@ -85,6 +85,10 @@ class Algorithm:
     Config: ClassVar[type]
     needs_logits: ClassVar[bool] = False
     needs_entropy: ClassVar[bool] = False
+    # True when "done" means "the input of this step had nothing left to decode": the step that fills the last
+    # mask is then followed by a forward whose only use is writing the block's exact KV, and the engine can fold
+    # that forward into the next block's first step (see StepSpec.fold_commit).
+    foldable: ClassVar[bool] = False
 
     def __init__(self, config):
         self.config = config
@@ -127,6 +131,7 @@ class LowConfidence(Algorithm):
 
     name = "LowConfidence"
     Config = LowConfidenceConfig
+    foldable = True
 
     def step(self, ids, immutable, cand, state, mask_id):
         masked = positions_to_decode(ids, immutable, mask_id)
@@ -212,6 +217,7 @@ class EBSampling(Algorithm):
     name = "EBSampling"
     Config = EBSamplingConfig
     needs_entropy = True
+    foldable = True
 
     def step(self, ids, immutable, cand, state, mask_id):
         masked = positions_to_decode(ids, immutable, mask_id)
@@ -238,6 +244,7 @@ class EntropyThreshold(Algorithm):
     name = "EntropyThreshold"
     Config = EntropyThresholdConfig
     needs_entropy = True
+    foldable = True
 
     def step(self, ids, immutable, cand, state, mask_id):
         masked = positions_to_decode(ids, immutable, mask_id)

@@ -40,6 +40,11 @@ class StepSpec:
     sampling: bool = False  # some row samples (temperature > 0): full logits are materialised
     loop: bool = False  # synchronous schedule: loop on the device until every row is done
     mesh: Any = None  # jax.sharding.Mesh for tensor / expert parallelism (None: one device)
+    # Fold the commit forward: a row whose update leaves nothing to decode is done at once (for foldable
+    # algorithms), with ``fresh_kv`` False; the host re-encodes the block as a "refresh row" inside the next
+    # call, where the next block reads it (the model writes K/V before attending), saving one sequential
+    # forward per block with identical tokens.
+    fold_commit: bool = False
 
     @property
     def max_steps(self) -> int:
@@ -72,6 +77,7 @@ class DenoiseResult:
     done: jax.Array  # [R] bool
     steps: jax.Array  # [R] int32: forwards that served each row in this call
     state: State
+    fresh_kv: jax.Array  # [R] bool: the block's page holds the KV of its final tokens (else: refresh it)
 
 
 def _model_forward(params, kv_pages, tokens, page_table, prefix_len, write_pages, spec: StepSpec):
@@ -159,7 +165,7 @@ def candidates(params, hidden, batch: DenoiseBatch, spec: StepSpec) -> Candidate
 # ----------------------------------------------------------------------------------------------
 
 def _one_step(params, kv_pages, batch: DenoiseBatch, tokens, state, steps_taken, spec: StepSpec):
-    """Forward over the blocks, then one algorithm update. Returns (kv_pages, tokens, done, state)."""
+    """Forward over the blocks, then one algorithm update. Returns (kv_pages, tokens, done, fresh_kv, state)."""
     hidden, kv_pages = _model_forward(params, kv_pages, tokens, batch.page_table, batch.prefix_len,
                                       batch.write_page[:, None], spec)
     step_batch = dataclasses.replace(batch, rng_step=batch.rng_step + steps_taken - batch.steps_taken)
@@ -174,37 +180,45 @@ def _one_step(params, kv_pages, batch: DenoiseBatch, tokens, state, steps_taken,
     leftover = fill[:, None] & (new_tokens == spec.mask_id) & ~batch.immutable
     new_tokens = jnp.where(leftover, cand.tokens, new_tokens)
     done = done & ~jnp.any(leftover | (fill[:, None] & (new_tokens != tokens)), axis=-1)
-    return kv_pages, new_tokens, done, state
+    fresh = done
+    if spec.fold_commit and spec.algorithm.foldable:
+        resolved = ~jnp.any((new_tokens == spec.mask_id) & ~immutable, axis=-1)
+        done = done | resolved
+    return kv_pages, new_tokens, done, fresh, state
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("kv_pages",))
 def denoise(params, kv_pages, batch: DenoiseBatch, state: State, *, spec: StepSpec):
     """One denoise step (FDFO) or the whole block loop (``spec.loop``, synchronous). Returns (kv_pages, result)."""
     if not spec.loop:
-        kv_pages, tokens, done, state = _one_step(params, kv_pages, batch, batch.tokens, state,
-                                                  batch.steps_taken, spec)
+        kv_pages, tokens, done, fresh, state = _one_step(params, kv_pages, batch, batch.tokens, state,
+                                                         batch.steps_taken, spec)
         return kv_pages, DenoiseResult(tokens=tokens, done=done, steps=jnp.ones_like(batch.steps_taken),
-                                       state=state)
+                                       state=state, fresh_kv=fresh)
 
     def cond(carry):
-        _, _, done, _, _, it = carry
+        _, _, done, _, _, _, it = carry
         return (it < spec.max_steps) & ~jnp.all(done)
 
     def body(carry):
-        kv, tokens, done, state, steps, it = carry
-        kv, new_tokens, new_done, new_state = _one_step(params, kv, batch, tokens, state,
-                                                        batch.steps_taken + steps, spec)
-        # Rows already done ride along unchanged (their KV is rewritten with identical values).
-        tokens = jnp.where(done[:, None], tokens, new_tokens)
+        kv, tokens, done, fresh, state, steps, it = carry
+        kv, new_tokens, new_done, new_fresh, new_state = _one_step(params, kv, batch, tokens, state,
+                                                                   batch.steps_taken + steps, spec)
+        # Rows already done ride along unchanged. Their page is rewritten: from identical tokens, so a row whose
+        # KV was fresh stays fresh; a folded row (done, KV not yet fresh) becomes fresh if any later iteration ran.
+        keep = done[:, None]
+        tokens = jnp.where(keep, tokens, new_tokens)
         state = jax.tree.map(lambda old, new: jnp.where(done.reshape((-1,) + (1,) * (old.ndim - 1)), old, new),
                              state, new_state)
+        fresh = jnp.where(done, True, new_fresh)
         steps = steps + (~done).astype(jnp.int32)
-        return kv, tokens, done | new_done, state, steps, it + 1
+        return kv, tokens, done | new_done, fresh, state, steps, it + 1
 
     zeros = jnp.zeros_like(batch.steps_taken)
-    init = (kv_pages, batch.tokens, jnp.zeros(batch.tokens.shape[:1], jnp.bool_), state, zeros, jnp.int32(0))
-    kv_pages, tokens, done, state, steps, _ = jax.lax.while_loop(cond, body, init)
-    return kv_pages, DenoiseResult(tokens=tokens, done=done, steps=steps, state=state)
+    no = jnp.zeros(batch.tokens.shape[:1], jnp.bool_)
+    init = (kv_pages, batch.tokens, no, no, state, zeros, jnp.int32(0))
+    kv_pages, tokens, done, fresh, state, steps, _ = jax.lax.while_loop(cond, body, init)
+    return kv_pages, DenoiseResult(tokens=tokens, done=done, steps=steps, state=state, fresh_kv=fresh)
 
 
 def init_kv_pages(cfg: ModelConfig, num_pages: int, block_size: int, dtype=jnp.float32) -> list[Any]:

@@ -43,6 +43,9 @@ class Request:
     block_page: int | None = None
     block_steps: int = 0
     algo_state: dict[str, np.ndarray] | None = None
+    # Commit-forward folding: the last page in `pages` holds KV computed before its block was final; these are
+    # the block's final tokens, re-encoded by a refresh row in the next denoise call (then it may be cached).
+    stale_tokens: np.ndarray | None = None
 
     cached_tokens: int | None = None  # the prefix matched at the first admission; never changes afterwards
     forward_passes: int = 0  # forwards that served this request (prefill chunks and denoise steps)

@@ -86,18 +86,20 @@ class DecodeOutput:
     done: np.ndarray  # [n] bool
     steps: np.ndarray  # [n] int
     states: list[dict[str, np.ndarray]]
+    fresh_kv: np.ndarray  # [n] bool: False for a block done by folding (its page needs a refresh row)
 
 
 class ModelRunner:
     def __init__(self, params, cfg, *, block_size: int, mask_id: int, algorithm: Algorithm, num_pages: int,
                  max_rows: int, max_pages_per_row: int, max_prefill_blocks: int, loop: bool,
                  attention_backend: str = "xla", confidence_backend: str = "xla", kv_dtype=jnp.float32,
-                 mesh=None, channel=None):
+                 mesh=None, channel=None, fold_commit: bool = False):
         self.params = params
         self.cfg = cfg
         self.block_size = block_size
         self.algorithm = algorithm
-        self.row_buckets = pow2_buckets(max_rows)
+        # With folding, a denoise call may carry one refresh row per request besides its decode row.
+        self.row_buckets = pow2_buckets(2 * max_rows if fold_commit else max_rows)
         self.width_buckets = ladder(max_pages_per_row, 4)
         self.prefill_buckets = pow2_buckets(max_prefill_blocks)
         self.max_prefill_blocks = self.prefill_buckets[-1]
@@ -111,7 +113,7 @@ class ModelRunner:
             self.kv_pages = shard_kv_pages(self.kv_pages, cfg, mesh)
         base = StepSpec(model=cfg, block_size=block_size, mask_id=mask_id, algorithm=algorithm,
                         attention_backend=attention_backend, confidence_backend=confidence_backend, loop=loop,
-                        mesh=mesh)
+                        mesh=mesh, fold_commit=fold_commit)
         self.greedy_spec = base
         self.sampling_spec = dataclasses.replace(base, sampling=True)
         self.prefill_spec = dataclasses.replace(base, algorithm=None)
@@ -233,7 +235,8 @@ class ModelRunner:
         result = jax.device_get(result)  # the one host sync of this step
         states = [{k: v[i] for k, v in result.state.items()} for i in range(n)]
         return DecodeOutput(tokens=np.asarray(result.tokens[:n]), done=np.asarray(result.done[:n]),
-                            steps=np.asarray(result.steps[:n]), states=states)
+                            steps=np.asarray(result.steps[:n]), states=states,
+                            fresh_kv=np.asarray(result.fresh_kv[:n]))
 
     # -------------------------------------------------------------------------------------------
     def warmup(self, *, sampling: bool = False) -> int:

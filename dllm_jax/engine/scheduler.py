@@ -162,19 +162,19 @@ class Scheduler:
         if own:
             self.allocator.free(sorted(own))
         req.pages, req.own_pages = [], set()
-        req.block_page = req.block_tokens = req.block_immutable = req.algo_state = None
+        req.block_page = req.block_tokens = req.block_immutable = req.algo_state = req.stale_tokens = None
         req.block_steps = 0
 
     def _insert(self, req: Request) -> None:
-        """Cache the request's complete real blocks and move its lock to the deepest of them."""
-        prefix = req.prefix_len(self.B)
+        """Cache the request's complete real blocks whose KV is exact (not a stale folded block) and move its lock
+        to the deepest of them."""
+        n = len(req.pages) - (1 if req.stale_tokens is not None else 0)
         with jax.profiler.TraceAnnotation("radix.insert"):
-            result = self.radix.insert_and_match(req.real_ids[:prefix], req.pages)
+            result = self.radix.insert_and_match(req.real_ids[:n * self.B], req.pages[:n])
         if not self.radix.enabled:
             return
-        taken = set(req.pages)
-        req.pages = result.pages
-        req.own_pages -= taken
+        req.own_pages -= set(req.pages[:n])
+        req.pages[:n] = result.pages
         self.radix.lock(result.node)
         if req.node is not None:
             self.radix.unlock(req.node)
@@ -250,24 +250,34 @@ class Scheduler:
             if req.block_tokens is None and req.phase is Phase.DECODE:
                 self._start_block(req)
         reqs = [r for r in reqs if r.phase is Phase.DECODE and r.block_tokens is not None]
-        if not reqs:
+        # Folded commits from the last round: re-encode those blocks in this same forward (the model writes K/V
+        # before attending, so this round's next blocks already read the exact KV).
+        refresh = [r for r in self.running if r.stale_tokens is not None]
+        if not reqs and not refresh:
             return
-        rows = [DecodeRow(tokens=r.block_tokens, immutable=r.block_immutable, prefix_pages=r.pages,
-                          write_page=r.block_page, steps_taken=r.block_steps, temperature=r.params.temperature,
-                          top_k=r.params.top_k, top_p=r.params.top_p, seed=r.seed,
-                          rng_step=self._rng_step(r),
-                          algo_state=r.algo_state) for r in reqs]
+        B = self.B
+        rows = [DecodeRow(tokens=r.stale_tokens, immutable=np.ones((B,), np.bool_), prefix_pages=r.pages[:-1],
+                          write_page=r.pages[-1], steps_taken=0, temperature=0.0, top_k=-1, top_p=1.0, seed=0,
+                          rng_step=0, algo_state=None) for r in refresh]
+        rows += [DecodeRow(tokens=r.block_tokens, immutable=r.block_immutable, prefix_pages=r.pages,
+                           write_page=r.block_page, steps_taken=r.block_steps, temperature=r.params.temperature,
+                           top_k=r.params.top_k, top_p=r.params.top_p, seed=r.seed,
+                           rng_step=self._rng_step(r), algo_state=r.algo_state) for r in reqs]
         with jax.profiler.TraceAnnotation("denoise_step"):
             out = self.runner.denoise(rows)
         self.stats["denoise_calls"] += 1
         self.stats["denoise_forwards"] += int(out.steps.max())
+        self.stats["refresh_rows"] += len(refresh)
         with jax.profiler.TraceAnnotation("commit"):
-            for i, req in enumerate(reqs):
+            for req in refresh:
+                req.stale_tokens = None
+                self._insert(req)
+            for i, req in enumerate(reqs, start=len(refresh)):
                 steps = int(out.steps[i])
                 req.forward_passes += steps
                 req.block_steps += steps
                 if out.done[i]:
-                    self._commit_block(req, out.tokens[i])
+                    self._commit_block(req, out.tokens[i], fresh_kv=bool(out.fresh_kv[i]))
                 else:
                     req.block_tokens, req.algo_state = out.tokens[i], out.states[i]
 
@@ -276,7 +286,7 @@ class Scheduler:
         key, so a seeded request draws the same tokens whatever its batch, cache hits or retractions."""
         return req.prefix_len(self.B) // self.B * 4096 + req.block_steps
 
-    def _commit_block(self, req: Request, tokens: np.ndarray) -> None:
+    def _commit_block(self, req: Request, tokens: np.ndarray, fresh_kv: bool = True) -> None:
         B = self.B
         n_imm = int(req.block_immutable.sum())
         new = [int(t) for t in tokens[n_imm:]]
@@ -287,7 +297,10 @@ class Scheduler:
             req.pages.append(req.block_page)
             req.own_pages.add(req.block_page)
             req.block_page = None
-            self._insert(req)
+            if fresh_kv:
+                self._insert(req)
+            else:  # folded: cached once the next call's refresh row has rewritten its KV
+                req.stale_tokens = np.array(tokens, np.int32)
         req.block_tokens = req.block_immutable = req.algo_state = None
         req.block_steps = 0
         if finish is not None:
