@@ -490,28 +490,29 @@ def test_queue_full_503_then_recovers(server, client, engine, examples):
     capacity = load(client)["server_capacity"]
     assert capacity == MAX_RUNNING + MAX_QUEUED
     text = chat_text(engine, examples[1].prompt)
-    body = {"text": text, "stream": True, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, **GREEDY}}
+    # short prompts and the longest generations the context allows: the running ones do not finish meanwhile
+    long = {"input_ids": [5, 6, 7], "stream": True,
+            "sampling_params": {"max_new_tokens": CONTEXT - 8, "ignore_eos": True, **GREEDY}}
 
     async def scenario():
         async with httpx.AsyncClient(base_url=server["base"], headers={"Authorization": f"Bearer {API_KEY}"},
                                      timeout=60, limits=httpx.Limits(max_connections=64)) as c:
-            streams = []
+            streams = [c.stream("POST", "/generate", json=long) for _ in range(capacity)]
             try:
-                for _ in range(capacity):
-                    cm = c.stream("POST", "/generate", json=body)
-                    r = await cm.__aenter__()
-                    assert r.status_code == 200
-                    streams.append(cm)
-                over = await c.post("/generate", json={**body, "stream": False})
+                responses = await asyncio.gather(*(cm.__aenter__() for cm in streams))
+                assert all(r.status_code == 200 for r in responses)
+                inflight = (await c.get("/internal/load")).json()["server_inflight"]
+                over = await c.post("/generate", json={"text": text, "sampling_params": {"max_new_tokens": 1}})
                 batch = await c.post("/generate", json={"text": [text] * (capacity + 1)})
-                return over, batch
+                return inflight, over, batch
             finally:
                 for cm in streams:
                     await cm.__aexit__(None, None, None)
 
     m0 = metrics(client)
-    over, batch = asyncio.run(scenario())
-    assert over.status_code == 503 and int(over.headers["retry-after"]) >= 1
+    inflight, over, batch = asyncio.run(scenario())
+    assert inflight == capacity
+    assert over.status_code == 503 and int(over.headers["retry-after"]) >= 1, over.text
     assert over.json()["error"]["code"] == 503
     assert batch.status_code == 400 and batch.json()["error"]["param"] == "text"
     wait_idle(client)
