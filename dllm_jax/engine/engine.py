@@ -161,6 +161,7 @@ class Engine:
         self._profile_dir = profile_dir
         self._profile_steps = profile_steps
         self._profiling = False
+        self._profile_lock = threading.Lock()
         self._shutdown = False
         if warmup:
             self.warmup()
@@ -195,7 +196,8 @@ class Engine:
         }
 
     def get_load(self) -> dict:
-        """Counters for /metrics and tests (a snapshot; safe to read from other threads)."""
+        """Counters for /metrics and tests (a snapshot; safe to read from other threads: the counter keys are
+        fixed at start, so copying never races with the engine thread adding one)."""
         s = self.scheduler
         return {
             "running_requests": len(s.running),
@@ -370,23 +372,25 @@ class Engine:
         """Start a JAX profiler trace (perfetto) into ``profile_dir``; it stops after ``num_steps`` rounds
         (default: the engine's ``profile_steps``; 0 = until :meth:`stop_profile`)."""
         directory = os.path.abspath(profile_dir or self._profile_dir or "dllm_profile")
-        if self._profiling:
-            raise RuntimeError("a profile is already being recorded")
-        os.makedirs(directory, exist_ok=True)
-        jax.profiler.start_trace(directory, create_perfetto_trace=True)
-        self._profiling = True
-        self._profile_current = directory
-        steps = self._profile_steps if num_steps is None else num_steps
-        self._profile_steps = steps
-        self._profile_stop_at = self._steps + steps
-        return directory
+        with self._profile_lock:
+            if self._profiling:
+                raise RuntimeError("a profile is already being recorded")
+            os.makedirs(directory, exist_ok=True)
+            jax.profiler.start_trace(directory, create_perfetto_trace=True)
+            self._profiling = True
+            self._profile_current = directory
+            steps = self._profile_steps if num_steps is None else num_steps
+            self._profile_steps = steps
+            self._profile_stop_at = self._steps + steps
+            return directory
 
     def stop_profile(self) -> str | None:
-        if not self._profiling:
-            return None
-        jax.profiler.stop_trace()
-        self._profiling = False
-        return self._profile_current
+        with self._profile_lock:  # the loop's automatic stop and an explicit one may race
+            if not self._profiling:
+                return None
+            jax.profiler.stop_trace()
+            self._profiling = False
+            return self._profile_current
 
     # ------------------------------------------------------------------------------------------
     # generate()
@@ -505,17 +509,25 @@ class Engine:
         return {"text": self._text(req), "output_ids": list(req.output_ids), "meta_info": self.meta_info(req)}
 
     def chunk(self, req: Request) -> dict | None:
-        """The part of the output committed since the last chunk of this request (None if nothing new)."""
+        """The part of the output committed since the last chunk of this request (None if nothing new).
+
+        Text is never sent twice: an incomplete UTF-8 sequence at the end waits for the rest, and while the
+        request runs, a tail that could be the start of a stop string is held back (the final text is cut where
+        a stop string begins, which may be inside text committed by an earlier block)."""
         finished = req.finished
         text = self._text(req)
-        if not finished and text.endswith("\ufffd"):
-            text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for the rest
+        if not finished:
+            text = text.rstrip("\ufffd")
+            hold = max((len(s) - 1 for s in req.params.stop), default=0)
+            if hold:
+                text = text[:max(len(req.emitted_text), len(text) - hold)]
         new_ids = req.output_ids[req.emitted_tokens:]
-        new_text = text[len(req.emitted_text):] if text.startswith(req.emitted_text) else text
+        new_text = text[len(req.emitted_text):] if text.startswith(req.emitted_text) else ""
         if not new_ids and not new_text and not finished:
             return None
         req.emitted_tokens = len(req.output_ids)
-        req.emitted_text = text
+        if text.startswith(req.emitted_text):
+            req.emitted_text = text
         return {"text": new_text, "output_ids": new_ids, "finished": finished, "meta_info": self.meta_info(req)}
 
 

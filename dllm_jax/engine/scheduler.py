@@ -31,6 +31,10 @@ from dllm_jax.engine.request import Phase, Request
 from dllm_jax.engine.runner import DecodeRow, ModelRunner, PrefillRow
 
 
+STAT_KEYS = ("requests", "prompt_tokens", "cached_tokens", "generation_tokens", "finished", "retractions",
+             "prefill_forwards", "denoise_calls", "denoise_forwards", "refresh_rows")
+
+
 class Scheduler:
     def __init__(self, runner: ModelRunner, allocator: PageAllocator, radix: BlockRadixIndex, *, block_size: int,
                  mask_id: int, eos_token_ids: tuple[int, ...], max_running_requests: int, context_length: int,
@@ -47,7 +51,8 @@ class Scheduler:
         self.decode_text = decode_text
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
-        self.stats = collections.Counter()
+        # Fixed keys (other threads copy this while the loop runs: the dict must never change size).
+        self.stats = collections.Counter({k: 0 for k in STAT_KEYS})
 
     # ------------------------------------------------------------------------------------------
     # Public
@@ -325,11 +330,11 @@ class Scheduler:
             if len(req.output_ids) >= params.max_new_tokens:
                 finish = {"type": "length", "length": params.max_new_tokens}
                 break
-        self.stats["generation_tokens"] += len(req.output_ids) - start
         if params.stop and self.decode_text is not None:
             hit = self._find_stop_string(req, start)
             if hit is not None:
                 finish = hit
+        self.stats["generation_tokens"] += len(req.output_ids) - start  # after any stop-string cut
         return finish
 
     def _find_stop_string(self, req: Request, start: int) -> dict | None:
