@@ -37,19 +37,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench_out", help="output directory (JSON, PNG, summary)")
     p.add_argument("--quick", action="store_true", help="small sizes (a few minutes on CPU)")
     p.add_argument("--models", type=_names, default=["shipped", "random50m"],
-                   help="models for the baseline / concurrency / engine scenarios: shipped, random50m, tiny")
+                   help="models the suite may use (shipped, random50m, tiny); the baseline runs on all of them, the "
+                        "other scenarios on their defaults among them (see --<scenario>-models)")
     p.add_argument("--model-path", default=None, help="the 'shipped' model directory (default: the shipped model)")
     p.add_argument("--threshold", type=float, default=0.95, help="LowConfidence threshold (both stacks)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=None, help="override every scenario's max_new_tokens")
     p.add_argument("--baseline-prompts", type=int, default=None, help="prompts of the baseline (shipped model)")
     p.add_argument("--concurrency", type=_ints, default=None, help="levels of the concurrency scenario (1,4,16,64)")
+    p.add_argument("--concurrency-models", type=_names, default=None, help="models of the concurrency scenario (shipped)")
     p.add_argument("--engine-concurrency", type=_ints, default=None, help="levels of the engine scenario (1,8,32)")
+    p.add_argument("--engine-models", type=_names, default=None,
+                   help="models of the engine scenario (shipped,random50m)")
     p.add_argument("--prefix-tokens", type=int, default=None, help="shared prompt length (1024)")
     p.add_argument("--prefix-requests", type=int, default=None, help="requests sharing it (16)")
-    p.add_argument("--prefix-models", type=_names, default=None, help="models of the prefix scenario (random50m)")
+    p.add_argument("--prefix-models", type=_names, default=None,
+                   help="models of the prefix scenario (shipped,random50m; --quick: shipped)")
     p.add_argument("--long-tokens", type=_ints, default=None, help="prompt lengths of the long scenario (2048,4096)")
-    p.add_argument("--long-models", type=_names, default=None, help="models of the long scenario (random50m)")
+    p.add_argument("--long-models", type=_names, default=None,
+                   help="models of the long scenario (shipped,random50m; --quick: shipped; random50m stops at 2048 "
+                        "tokens unless --long-tokens is given)")
     p.add_argument("--schedule-requests", type=int, default=None, help="requests of the schedules scenario (32)")
     p.add_argument("--schedule-models", type=_names, default=None, help="models of the schedules scenario (shipped)")
     p.add_argument("--hf-threads", type=int, default=None,
@@ -66,6 +73,7 @@ def ctx_from_args(args: argparse.Namespace):
     overrides = {
         "max_new_tokens": args.max_new_tokens, "baseline_prompts": args.baseline_prompts,
         "concurrency": args.concurrency, "engine_concurrency": args.engine_concurrency,
+        "concurrency_models": args.concurrency_models, "engine_models": args.engine_models,
         "prefix_tokens": args.prefix_tokens, "prefix_requests": args.prefix_requests,
         "prefix_models": args.prefix_models, "long_tokens": args.long_tokens, "long_models": args.long_models,
         "schedule_requests": args.schedule_requests, "schedule_models": args.schedule_models,

@@ -56,34 +56,39 @@ def sampling(m: ModelInfo, max_new: int) -> dict:
 
 
 def engine_run(ctx: Ctx, m: ModelInfo, prompts: list[list[int]], max_new: int, concurrency: int, *,
-               schedule: str = "fdfo", prefix_cache: bool = False, warm_prompts=None, context_length=None,
+               schedule: str = "fdfo", prefix_cache: bool = False, primer=None, context_length=None,
                max_prefill_tokens: int | None = None, tag: str = "") -> dict:
-    """Build an engine, run a warm-up pass, then the measured pass (memoised per configuration)."""
+    """Build an engine, run the workload twice from the same state (the first pass compiles every shape the
+    second will use and is thrown away), return the second (memoised per configuration).
+
+    The state before each pass: an empty prefix cache (flushed), then ``primer`` prompts run one at a time (the
+    'earlier traffic' of the prefix scenario, which leaves the shared prompt in the cache)."""
     key = (m.name, tuple(map(tuple, prompts)), max_new, concurrency, schedule, prefix_cache, context_length,
-           max_prefill_tokens, tag)
+           max_prefill_tokens, tuple(map(tuple, primer or ())), tag)
     if key in ctx._memo:
         return ctx._memo[key]
     params = sampling(m, max_new)
     context_length = context_length or SHORT_CONTEXT
     kwargs = dict(schedule=schedule, enable_prefix_cache=prefix_cache, max_running_requests=max(concurrency, 1),
                   context_length=context_length,
-                  num_kv_pages=kv_pages_for(prompts + list(warm_prompts or []), max_new, concurrency,
+                  num_kv_pages=kv_pages_for(prompts + list(primer or []), max_new, concurrency,
                                             extra=64 if prefix_cache else 8))
     if max_prefill_tokens is not None:
         kwargs["max_prefill_tokens"] = max_prefill_tokens
     engine = make_engine(m, ctx, **kwargs)
+
+    def prepare():
+        if prefix_cache:
+            assert engine.flush_cache()
+        if primer:
+            run_requests(engine, list(primer), params, 1)
+
     try:
         t0 = time.perf_counter()
-        warm = list(warm_prompts or prompts)
-        if prefix_cache and warm_prompts is not None and len(warm) > 1:
-            # Earlier traffic: one request alone caches the shared prefix, so the rest of the warm-up runs (and
-            # compiles) the cache-hit shapes the measured pass will use.
-            run_requests(engine, warm[:1], params, 1)
-            warm = warm[1:]
-        run_requests(engine, warm, params, concurrency)
+        prepare()
+        run_requests(engine, prompts, params, concurrency)
         warm_s = time.perf_counter() - t0
-        if prefix_cache and warm_prompts is None:
-            engine.flush_cache()
+        prepare()
         result = run_requests(engine, prompts, params, concurrency)
         result["warmup_s"] = warm_s
     finally:
@@ -150,11 +155,13 @@ def finish(ctx: Ctx, name: str, result: dict, text: str, plot=None) -> dict:
     return result
 
 
-def _models(ctx: Ctx, key: str, default: list[str]) -> list[str]:
-    """The models a scenario runs on: ``--<key>`` if given, else ``default`` restricted to ``--models``."""
+def _models(ctx: Ctx, key: str, full: list[str], quick: list[str] | None = None) -> list[str]:
+    """The models a scenario runs on: ``--<key>`` if given, else its default (``quick`` under ``--quick``)
+    restricted to ``--models`` (or the first of ``--models`` when none of the defaults is there)."""
     chosen = ctx.overrides.get(key)
     if chosen:
         return list(chosen)
+    default = quick if (ctx.quick and quick is not None) else full
     picked = [m for m in default if m in ctx.models]
     return picked or list(ctx.models[:1])
 
@@ -167,7 +174,7 @@ def baseline(ctx: Ctx) -> dict:
     rows, out = [], {"models": {}}
     for name in ctx.models:
         m = ctx.model(name)
-        n = ctx.size("baseline_prompts", 16, 4) if name != "random50m" else ctx.size("baseline_prompts_50m", 3, 1)
+        n = ctx.size("baseline_prompts", 16, 4) if name != "random50m" else ctx.size("baseline_prompts_50m", 2, 1)
         max_new = max_new_tokens(ctx, m)
         prompts = chat_prompts(m.tokenizer, n)
         ctx.log(f"baseline: {m.label}: {n} prompts, max_new_tokens {max_new}, transformers loop ...")
@@ -231,7 +238,7 @@ def _load_runs(ctx: Ctx, m: ModelInfo, levels: list[int], scenario: str) -> list
 
 def concurrency(ctx: Ctx) -> dict:
     rows, out = [], {"models": {}}
-    for name in ctx.models:
+    for name in _models(ctx, "concurrency_models", ["shipped"]):
         m = ctx.model(name)
         levels = _levels_for(ctx, "concurrency", [1, 4, 16, 64], [1, 4, 16], m)
         runs = _load_runs(ctx, m, levels, "concurrency")
@@ -280,9 +287,9 @@ def concurrency(ctx: Ctx) -> dict:
 
 def engine(ctx: Ctx) -> dict:
     rows, out = [], {"models": {}}
-    for name in ctx.models:
+    for name in _models(ctx, "engine_models", ["shipped", "random50m"]):
         m = ctx.model(name)
-        levels = _levels_for(ctx, "engine_concurrency", [1, 8, 32], [1, 8, 32], m)
+        levels = _levels_for(ctx, "engine_concurrency", [1, 8, 32], [1, 8] if name == "random50m" else [1, 8, 32], m)
         runs = _load_runs(ctx, m, levels, "engine")
         out["models"][name] = {"model": m.label, "levels": {lv: strip_outputs(r) for lv, r in runs}}
         for level, r in runs:
@@ -320,25 +327,27 @@ def prefix(ctx: Ctx) -> dict:
     shared_len = ctx.size("prefix_tokens", 1024, 512)
     n = ctx.size("prefix_requests", 16, 8)
     conc = min(n, ctx.size("prefix_concurrency", 8, 8))
-    for name in _models(ctx, "prefix_models", ["random50m"]):
+    for name in _models(ctx, "prefix_models", ["shipped", "random50m"], ["shipped"]):
         m = ctx.model(name)
         max_new = max_new_tokens(ctx, m, heavy=True)
         system = word_ids(m.tokenizer, shared_len, seed=ctx.seed + 1)
-        users = chat_prompts(m.tokenizer, 2 * n)
-        warm = [system + u for u in users[:n]]  # set A: warm-up (and, cache on, the earlier traffic)
-        measured = [system + u for u in users[n:]]  # set B: new user turns after the same system prompt
-        context = int(np.ceil((max(len(p) for p in warm + measured) + max_new + 2 * BLOCK_SIZE) / 256) * 256)
-        res = {"model": m.label, "shared_tokens": shared_len, "requests": n, "concurrency": conc,
+        n_m = n if name != "random50m" else ctx.size("prefix_requests_50m", 8, 8)
+        conc_m = min(n_m, conc)
+        users = chat_prompts(m.tokenizer, n_m + 1)
+        primer = [system + users[0]]  # earlier traffic: leaves the shared prompt in the cache (when on)
+        measured = [system + u for u in users[1:]]  # new user turns after the same system prompt
+        context = int(np.ceil((max(len(p) for p in primer + measured) + max_new + 2 * BLOCK_SIZE) / 256) * 256)
+        res = {"model": m.label, "shared_tokens": shared_len, "requests": n_m, "concurrency": conc_m,
                "max_new_tokens": max_new}
         for cache in (False, True):
-            ctx.log(f"prefix: {m.label}: {shared_len}-token shared prompt, {n} requests x {conc} concurrent, "
+            ctx.log(f"prefix: {m.label}: {shared_len}-token shared prompt, {n_m} requests x {conc_m} concurrent, "
                     f"cache {'on' if cache else 'off'} ...")
-            run = engine_run(ctx, m, measured, max_new, conc, prefix_cache=cache, warm_prompts=warm,
+            run = engine_run(ctx, m, measured, max_new, conc_m, prefix_cache=cache, primer=primer,
                              context_length=context)
             res["on" if cache else "off"] = strip_outputs(run)
             res[("on" if cache else "off") + "_outputs"] = run["outputs"]
             rows.append([name, "on" if cache else "off", run["tokens_per_s"], run["ttfb_mean_s"], run["ttfb_p50_s"],
-                         run["latency_p50_s"], run["cached_tokens"] / n, run["prefill_forwards"], run["recompiles"]])
+                         run["latency_p50_s"], run["cached_tokens"] / n_m, run["prefill_forwards"], run["recompiles"]])
         same, _ = identical_fraction(res.pop("on_outputs"), res.pop("off_outputs"))
         ratio = res["on"]["tokens_per_s"] / res["off"]["tokens_per_s"]
         ttfb_ratio = res["off"]["ttfb_mean_s"] / res["on"]["ttfb_mean_s"]
@@ -372,10 +381,11 @@ def prefix(ctx: Ctx) -> dict:
 def long_prompt(ctx: Ctx) -> dict:
     rows, out = [], {"models": {}}
     lengths = ctx.size("long_tokens", [2048, 4096], [1024, 2048])
-    for name in _models(ctx, "long_models", ["random50m"]):
+    for name in _models(ctx, "long_models", ["shipped", "random50m"], ["shipped"]):
         m = ctx.model(name)
         res = {"model": m.label, "lengths": {}}
-        for length in lengths:
+        model_lengths = [x for x in lengths if name != "random50m" or x <= 2048 or ctx.overrides.get("long_tokens")]
+        for length in model_lengths:
             prompt = word_ids(m.tokenizer, length, seed=ctx.seed + length)
             context = int(np.ceil((length + 3 * BLOCK_SIZE) / 256) * 256)
             entry = {}
@@ -392,7 +402,7 @@ def long_prompt(ctx: Ctx) -> dict:
             res["lengths"][length] = entry
             rows[-1].append(entry["ttfb_ratio"])
             rows[-2].append("")
-            if length == max(lengths):
+            if length == max(model_lengths):
                 ctx.target(f"long prompt [{name}, {length} tokens]: time to first block, block-by-block / multi-block",
                            entry["ttfb_ratio"], 4.0,
                            note=f"{m.label}; outputs identical {same:.0%}"

@@ -21,20 +21,28 @@ M = TINY_MASK_ID
 PROMPTS = [[5, 6, 7, 8, 9, 10], [3, 4], [], [M, 2, M, 3], list(range(2, 30)), [7] * 9]
 
 
-@pytest.mark.parametrize("ignore_eos", [True, False])
-def test_transformers_loop_equals_engine(tiny_model, make_engine, ignore_eos):
-    """Same tokens and the same forward count (prefill + one per denoise step, the storing forward included)."""
+@pytest.mark.parametrize("ignore_eos,fold", [(True, False), (False, True)])
+def test_transformers_loop_equals_engine(tiny_model, make_engine, ignore_eos, fold):
+    """Same tokens; without the engine's folded commit forward, the same forward count too (prefill + one per
+    denoise step, the storing forward included)."""
+    import inspect
+
     from bench.hf_baseline import HFBlockDiffusion
+    from dllm_jax import Engine
 
     hf = HFBlockDiffusion(tiny_model, threshold=0.9, num_threads=1)
+    kwargs = {}
+    if "fold_commit_forward" in inspect.signature(Engine.__init__).parameters:
+        kwargs["fold_commit_forward"] = fold
     engine = make_engine(tiny_model, algorithm_config={"threshold": 0.9}, enable_prefix_cache=False,
-                         max_running_requests=1)
+                         max_running_requests=1, **kwargs)
     params = {"max_new_tokens": 13, "ignore_eos": ignore_eos}
     outs = engine.generate(input_ids=[list(p) for p in PROMPTS], sampling_params=params)
     for prompt, out in zip(PROMPTS, outs):
         ref = hf.generate(prompt, 13, ignore_eos=ignore_eos)
         assert ref["output_ids"] == out["output_ids"], prompt
-        assert ref["forward_passes"] == out["meta_info"]["forward_passes"], prompt
+        if not kwargs.get("fold_commit_forward", False):
+            assert ref["forward_passes"] == out["meta_info"]["forward_passes"], prompt
         assert M not in ref["output_ids"]
 
 
@@ -52,7 +60,7 @@ def test_cli_writes_tables_json_plots_and_summary(tmp_path, capsys):
     baseline = json.loads((tmp_path / "baseline.json").read_text())["models"]["tiny"]
     for schedule in ("fdfo", "sync"):
         assert baseline[schedule]["identical_fraction"] == 1.0
-        assert baseline[schedule]["tpf"] == pytest.approx(baseline["hf"]["tpf"])
+        assert baseline[schedule]["tpf"] <= baseline["hf"]["tpf"]  # equal, or one fewer per block (folded commit)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert not summary["failures"]
     names = [t["name"] for t in summary["targets"]]

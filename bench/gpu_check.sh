@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# bench/gpu_check.sh -- every GPU measurement of the benchmark suite in one call, under 8 minutes.
+#
+#   bash bench/gpu_check.sh            # on a GPU machine (its preinstalled python3 + jax; no torch, no fastapi needed)
+#   bash bench/gpu_check.sh --smoke    # anywhere: tiny shapes, checks that the script itself works
+#
+# 1. the card and the software (nvidia-smi, jax devices);
+# 2. python -m bench.roofline: SDAR-1.7B-shape denoise steps (batch 1, 8, 64 x prefix 1k, 4k; Pallas and XLA
+#    backends) beside their memory / compute floors, the card's measured copy and matmul ceilings, the engine
+#    runner's host overhead per step, and the two GPU targets (batch-1 step <= 1.5x the memory floor, batch-64
+#    step <= 2x the compute floor). It stops starting new cases after ROOFLINE_BUDGET_S seconds;
+# 3. python -m bench.kernels: the Pallas kernels vs XLA at the same shapes.
+#
+# Logs and JSON go to $OUT when it is set (the lent machine's result folder), else bench_out/gpu/. The last lines
+# printed are the roofline table and the targets.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+SMOKE=""
+[[ "${1:-}" == "--smoke" ]] && SMOKE="--smoke"
+DEST="${OUT:-bench_out/gpu}"
+mkdir -p "$DEST"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export TF_CPP_MIN_LOG_LEVEL=2
+PY="${PYTHON:-python3}"
+ROOFLINE_BUDGET_S="${ROOFLINE_BUDGET_S:-240}"
+T0=$(date +%s)
+
+{
+  echo "== machine =="
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu \
+    --format=csv 2>/dev/null || echo "(no nvidia-smi)"
+  "$PY" -c "import sys, jax, numpy; print('python', sys.version.split()[0], '| jax', jax.__version__, '| numpy', numpy.__version__); print(jax.devices())"
+} 2>&1 | tee "$DEST/env.txt"
+
+echo "== roofline (budget ${ROOFLINE_BUDGET_S} s) =="
+timeout 300 "$PY" -m bench.roofline $SMOKE --budget-s "$ROOFLINE_BUDGET_S" --out "$DEST/roofline.json" 2>&1 \
+  | tee "$DEST/roofline.log"
+echo "roofline exit ${PIPESTATUS[0]} after $(( $(date +%s) - T0 )) s"
+
+echo "== kernels =="
+timeout 140 "$PY" -m bench.kernels $SMOKE --out "$DEST/kernels.json" 2>&1 | tee "$DEST/kernels.log"
+echo "kernels exit ${PIPESTATUS[0]} after $(( $(date +%s) - T0 )) s"
+
+echo "== summary =="
+"$PY" - "$DEST/roofline.json" <<'EOF'
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))
+except Exception as e:  # the roofline run died: its log above says why
+    print(f"no roofline result: {e}")
+    sys.exit(0)
+from bench.roofline import format_rows
+rows = [x for x in r["rows"] if "error" not in x]
+if r.get("ceilings"):
+    c = r["ceilings"]
+    print(f"ceilings measured: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul {c['matmul_flops'] / 1e12:.0f} TFLOP/s")
+for o in r.get("runner_overhead", []):
+    print(f"runner.denoise batch {o['batch']}: call {o['call_ms']:.3f} ms, device wait {o['device_wait_ms']:.3f} ms, "
+          f"host {o['host_ms']:.3f} ms ({100 * o['host_frac']:.1f}%)")
+for x in r["rows"]:
+    if "error" in x:
+        print(f"FAILED {x['backend']} batch {x['batch']} prefix {x['prefix']}: {x['error'][:200]}")
+if r.get("skipped"):
+    print(f"skipped (time budget): {r['skipped']}")
+if rows:
+    print(format_rows(rows))
+for t in r.get("targets", []):
+    v = "-" if t["value"] is None else f"{t['value']:.2f}x"
+    res = "MET" if t["met"] else ("not met" if t["met"] is not None else "not measured")
+    print(f"TARGET {t['name']}: {v} (<= {t['target']}x) {res}")
+EOF
+echo "total $(( $(date +%s) - T0 )) s; files in $DEST"
