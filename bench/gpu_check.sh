@@ -7,8 +7,9 @@
 # 1. the card and the software (nvidia-smi, jax devices);
 # 2. python -m bench.roofline: SDAR-1.7B-shape denoise steps (batch 1, 8, 64 x prefix 1k, 4k; Pallas and XLA
 #    backends) beside their memory / compute floors, the card's measured copy and matmul ceilings, the engine
-#    runner's host overhead per step, and the two GPU targets (batch-1 step <= 1.5x the memory floor, batch-64
-#    step <= 2x the compute floor). It stops starting new cases after ROOFLINE_BUDGET_S seconds;
+#    runner's host overhead per step (batch 1 and 64), the scheduler's host overhead with 32 requests in flight,
+#    and the two GPU targets (batch-1 step <= 1.5x the memory floor, batch-64 step <= 2x the compute floor). It
+#    stops starting new cases after ROOFLINE_BUDGET_S seconds and rewrites its JSON after every case;
 # 3. python -m bench.kernels: the Pallas kernels vs XLA at the same shapes.
 #
 # Logs and JSON go to $OUT when it is set (the lent machine's result folder), else bench_out/gpu/. The last lines
@@ -23,7 +24,7 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TF_CPP_MIN_LOG_LEVEL=2
 PY="${PYTHON:-python3}"
-ROOFLINE_BUDGET_S="${ROOFLINE_BUDGET_S:-240}"
+ROOFLINE_BUDGET_S="${ROOFLINE_BUDGET_S:-200}"
 T0=$(date +%s)
 
 {
@@ -35,12 +36,12 @@ T0=$(date +%s)
 } 2>&1 | tee "$DEST/env.txt"
 
 echo "== roofline (budget ${ROOFLINE_BUDGET_S} s) =="
-timeout 300 "$PY" -m bench.roofline $SMOKE --budget-s "$ROOFLINE_BUDGET_S" --out "$DEST/roofline.json" 2>&1 \
+timeout 330 "$PY" -m bench.roofline $SMOKE --budget-s "$ROOFLINE_BUDGET_S" --out "$DEST/roofline.json" 2>&1 \
   | tee "$DEST/roofline.log"
 echo "roofline exit ${PIPESTATUS[0]} after $(( $(date +%s) - T0 )) s"
 
 echo "== kernels =="
-timeout 140 "$PY" -m bench.kernels $SMOKE --out "$DEST/kernels.json" 2>&1 | tee "$DEST/kernels.log"
+timeout 110 "$PY" -m bench.kernels $SMOKE --out "$DEST/kernels.json" 2>&1 | tee "$DEST/kernels.log"
 echo "kernels exit ${PIPESTATUS[0]} after $(( $(date +%s) - T0 )) s"
 
 echo "== summary =="
@@ -59,6 +60,13 @@ if r.get("ceilings"):
 for o in r.get("runner_overhead", []):
     print(f"runner.denoise batch {o['batch']}: call {o['call_ms']:.3f} ms, device wait {o['device_wait_ms']:.3f} ms, "
           f"host {o['host_ms']:.3f} ms ({100 * o['host_frac']:.1f}%)")
+s = r.get("scheduler_overhead")
+if s:
+    print(f"scheduler, {s['requests']} requests of {s['prompt_tokens']} tokens + {s['max_new_tokens']} new: host "
+          f"{100 * s['host_frac']:.1f}% of all rounds; decode rounds {s['decode_round_ms']:.2f} ms with host "
+          f"{100 * s['decode_host_frac']:.1f}% ({s['decode_host_ms_per_round']:.3f} ms)")
+if not r.get("complete", True):
+    print("(the roofline run was cut short: the figures above are what it had measured)")
 for x in r["rows"]:
     if "error" in x:
         print(f"FAILED {x['backend']} batch {x['batch']} prefix {x['prefix']}: {x['error'][:200]}")

@@ -12,8 +12,9 @@ beside the step's two floors (section 4 of ``reference/anchors.md``):
   token and layer, over 990 TFLOP/s (dense bf16, datasheet);
 
 and as a percentage of the roofline (the larger floor over the measured time). It also measures the card's
-copy bandwidth and bf16 matmul rate (the practical ceilings), and the host overhead of the runner's
-``denoise`` call (padding, dispatch, the device_get) over the device step.
+copy bandwidth and bf16 matmul rate (the practical ceilings), the host overhead of the runner's ``denoise``
+call (padding, dispatch, the device_get) over the device step, and the host overhead of whole scheduler rounds
+(the engine's ``Scheduler`` + ``ModelRunner``, built without a model directory) with 32 requests in flight.
 
 Needs only jax and numpy (the GPU machine's preinstalled jax). ``--smoke`` runs tiny shapes on any backend
 (XLA only) to check the script; without a GPU and without ``--smoke`` it says so and exits.
@@ -203,6 +204,75 @@ def runner_overhead(cfg, params, batch: int, prefix: int, backend: str, *, iters
                 host_ms=1e3 * (wall - wait), host_frac=(wall - wait) / wall)
 
 
+def scheduler_overhead(cfg, params, *, requests: int = 32, prompt_blocks: int = 32, max_new: int = 32,
+                       backend: str = "pallas", dtype=jnp.bfloat16, seed: int = 0) -> dict:
+    """The engine's scheduler + runner on the GPU without an ``Engine`` (no model directory needed): ``requests``
+    random prompts of ``prompt_blocks`` complete blocks, ``max_new`` tokens each (EOS ignored), all in flight.
+    The workload runs twice (the first pass compiles); for the second, per round: wall time vs the time spent
+    waiting on device calls. Host overhead = the rest (scheduling, padding, commit, Python)."""
+    import inspect
+
+    from bench.common import device_timer
+    from dllm_jax.cache.pages import PageAllocator
+    from dllm_jax.cache.radix import BlockRadixIndex
+    from dllm_jax.decode.algorithms import make_algorithm
+    from dllm_jax.engine.request import Request
+    from dllm_jax.engine.runner import ModelRunner
+    from dllm_jax.engine.sampling import SamplingParams
+    from dllm_jax.engine.scheduler import Scheduler
+
+    algo = make_algorithm("LowConfidence", {}, model_config=cfg)
+    pages_per_row = prompt_blocks + max_new // BLOCK + 3
+    num_pages = requests * pages_per_row + 1
+    kwargs = dict(block_size=BLOCK, mask_id=cfg.mask_token_id, algorithm=algo, num_pages=num_pages,
+                  max_rows=requests, max_pages_per_row=pages_per_row, max_prefill_blocks=64, loop=False,
+                  attention_backend=backend, confidence_backend=backend, kv_dtype=dtype)
+    if "fold_commit" in inspect.signature(ModelRunner.__init__).parameters:
+        kwargs["fold_commit"] = True  # the engine's default
+    runner = ModelRunner(params, cfg, **kwargs)
+    allocator = PageAllocator(num_pages)
+    radix = BlockRadixIndex(BLOCK, allocator, enabled=False)
+    sched = Scheduler(runner, allocator, radix, block_size=BLOCK, mask_id=cfg.mask_token_id, eos_token_ids=(0,),
+                      max_running_requests=requests, context_length=pages_per_row * BLOCK,
+                      max_prefill_blocks=runner.max_prefill_blocks)
+    rng = np.random.default_rng(seed)
+    params_ = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+
+    def one_pass():
+        for i in range(requests):
+            ids = [int(t) for t in rng.integers(10, cfg.vocab_size - 10, prompt_blocks * BLOCK)]
+            sched.add(Request(rid=str(i), prompt_ids=ids, params=params_, seed=0))
+        walls, waits, kinds = [], [], []
+        with device_timer() as log:
+            t_start = time.perf_counter()
+            while sched.has_work():
+                n = len(log)
+                t0 = time.perf_counter()
+                sched.step()
+                walls.append(time.perf_counter() - t0)
+                calls = log[n:]
+                waits.append(sum(c[3] - c[1] for c in calls))
+                kinds.append({c[0] for c in calls})
+            total = time.perf_counter() - t_start
+        return walls, waits, kinds, total
+
+    t0 = time.perf_counter()
+    one_pass()
+    warm_s = time.perf_counter() - t0
+    walls, waits, kinds, total = one_pass()
+    dec = [i for i, k in enumerate(kinds) if k == {"denoise"}]
+    wall, wait = sum(walls), sum(waits)
+    dwall, dwait = sum(walls[i] for i in dec), sum(waits[i] for i in dec)
+    del runner
+    return dict(requests=requests, prompt_tokens=prompt_blocks * BLOCK, max_new_tokens=max_new, backend=backend,
+                rounds=len(walls), decode_rounds=len(dec), pass_s=total, warmup_s=warm_s,
+                host_frac=(wall - wait) / wall, host_ms_per_round=1e3 * (wall - wait) / len(walls),
+                decode_round_ms=1e3 * dwall / max(len(dec), 1),
+                decode_host_frac=(dwall - dwait) / dwall if dwall else float("nan"),
+                decode_host_ms_per_round=1e3 * (dwall - dwait) / max(len(dec), 1),
+                output_tokens_per_s=requests * max_new / total)
+
+
 def ceilings(dtype) -> dict:
     """The card's practical ceilings: a 2 GiB copy (bytes read + written) and an 8192^3 matmul."""
     n = (1 << 30) // jnp.dtype(dtype).itemsize
@@ -260,7 +330,17 @@ def judge(rows: list[dict]) -> list[dict]:
 
 def run(*, smoke: bool = False, batches=(1, 8, 64), prefixes=(1024, 4096), backends=("pallas", "xla"),
         iters: int = 20, budget_s: float = 330.0, runner_check: bool = True, measure_ceilings: bool = True,
-        log=print) -> dict:
+        scheduler_check: bool = True, out_path: str | None = None, log=print) -> dict:
+    """Measure (see the module docstring). With ``out_path`` the JSON is rewritten after every case, so a run cut
+    short by a time limit still leaves its figures."""
+    result: dict = {}
+
+    def save():
+        if out_path:
+            from bench.common import write_json
+
+            write_json(out_path, result)
+
     t_start = time.perf_counter()
     on_gpu = jax.default_backend() == "gpu"
     if smoke:
@@ -269,19 +349,25 @@ def run(*, smoke: bool = False, batches=(1, 8, 64), prefixes=(1024, 4096), backe
     else:
         shape, dtype = SDAR_1_7B, jnp.bfloat16
     cfg = model_config(shape)
-    info = dict(device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,
+    result.update(device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,
                 python=platform.python_version(), smoke=smoke, dtype=jnp.dtype(dtype).name,
-                shape=shape, peaks=dict(hbm_bytes_per_s=HBM_BYTES_PER_S, bf16_flops=BF16_FLOPS))
-    log(f"roofline: jax {jax.__version__} on {info['device']} ({info['backend']}); {info['dtype']}; "
+                shape=shape, peaks=dict(hbm_bytes_per_s=HBM_BYTES_PER_S, bf16_flops=BF16_FLOPS), complete=False)
+    rows, skipped, overhead = [], [], []
+    result.update(rows=rows, skipped=skipped, runner_overhead=overhead, scheduler_overhead=None, targets=[])
+    log(f"roofline: jax {jax.__version__} on {result['device']} ({result['backend']}); {result['dtype']}; "
         f"{count_params(cfg) / 1e9:.3f}B params")
     if measure_ceilings and on_gpu and not smoke:
-        info["ceilings"] = ceilings(dtype)
-        c = info["ceilings"]
+        try:
+            result["ceilings"] = ceilings(dtype)
+        except Exception as e:
+            log(f"ceilings: FAILED {type(e).__name__}: {str(e)[:300]}")
+            result["ceilings"] = {}
+        c = result["ceilings"] or {"copy_bytes_per_s": float("nan"), "matmul_flops": float("nan")}
         log(f"measured ceilings: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
             f"{c['matmul_flops'] / 1e12:.0f} TFLOP/s")
     bench = StepBench(cfg, max_batch=max(batches), max_prefix=max(prefixes), dtype=dtype)
     log(f"params and a {bench.num_pages}-page KV pool ready ({time.perf_counter() - t_start:.0f} s)")
-    rows, skipped = [], []
+    save()
     # Most important first: the Pallas path (the engine's GPU default), the target cases first.
     order = sorted(((b, p) for b in batches for p in prefixes),
                    key=lambda bp: (bp[1] != min(prefixes), bp[0] not in (1, max(batches)), bp))
@@ -298,10 +384,11 @@ def run(*, smoke: bool = False, batches=(1, 8, 64), prefixes=(1024, 4096), backe
                 continue
             row = dict(backend=backend, batch=batch, prefix=prefix, **m, **floors(cfg, batch, prefix))
             rows.append(row)
+            result["targets"] = judge([r for r in rows if "error" not in r]) if not smoke else []
+            save()
             log(f"  {backend:6s} batch {batch:3d} prefix {prefix:5d}: {row['step_ms']:8.3f} ms "
                 f"(floor {row['floor_ms']:.3f} ms {row['bound']}, {100 * row['floor_ms'] / row['step_ms']:.1f}% "
                 f"of roofline; compile {row['compile_s']:.1f} s)")
-    overhead = []
     if runner_check and not smoke:
         for batch in (1, max(batches)):
             if time.perf_counter() - t_start > budget_s:
@@ -313,11 +400,25 @@ def run(*, smoke: bool = False, batches=(1, 8, 64), prefixes=(1024, 4096), backe
                 log(f"  runner overhead batch {batch}: FAILED {type(e).__name__}: {str(e)[:300]}")
                 continue
             overhead.append(o)
+            save()
             log(f"  runner.denoise batch {batch:3d}: call {o['call_ms']:.3f} ms, device wait {o['device_wait_ms']:.3f}"
                 f" ms, host {o['host_ms']:.3f} ms ({100 * o['host_frac']:.1f}%)")
+    if scheduler_check and not smoke:
+        if time.perf_counter() - t_start > budget_s + 30:
+            skipped.append(dict(scheduler_overhead=32))
+        else:
+            try:
+                s = scheduler_overhead(cfg, bench.params, backend=backends[0], dtype=dtype)
+                result["scheduler_overhead"] = s
+                log(f"  scheduler, {s['requests']} requests of {s['prompt_tokens']} tokens + {s['max_new_tokens']}: "
+                    f"host {100 * s['host_frac']:.1f}% of all rounds ({s['host_ms_per_round']:.3f} ms/round); "
+                    f"decode rounds {s['decode_round_ms']:.2f} ms, host {100 * s['decode_host_frac']:.1f}%; "
+                    f"{s['output_tokens_per_s']:.0f} output tok/s (random weights: ~1 token per step)")
+            except Exception as e:
+                log(f"  scheduler overhead: FAILED {type(e).__name__}: {str(e)[:300]}")
     good = [r for r in rows if "error" not in r]
-    result = dict(info, rows=rows, skipped=skipped, runner_overhead=overhead,
-                  targets=judge(good) if not smoke else [], elapsed_s=time.perf_counter() - t_start)
+    result.update(targets=judge(good) if not smoke else [], elapsed_s=time.perf_counter() - t_start, complete=True)
+    save()
     if good:
         log(format_rows(good))
     if skipped:
@@ -338,18 +439,16 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--budget-s", type=float, default=330.0, help="skip the remaining cases past this many seconds")
     ap.add_argument("--no-runner-check", action="store_true")
+    ap.add_argument("--no-scheduler-check", action="store_true")
     ap.add_argument("--out", default=None, help="JSON path (default: $OUT/roofline.json or bench_out/roofline.json)")
     args = ap.parse_args(argv)
     if jax.default_backend() != "gpu" and not args.smoke:
         print("bench.roofline: no GPU here; the roofline needs one (use --smoke to check the script on CPU).")
         return 0
-    result = run(smoke=args.smoke, batches=tuple(args.batches), prefixes=tuple(args.prefixes),
-                 backends=tuple(args.backends), iters=args.iters, budget_s=args.budget_s,
-                 runner_check=not args.no_runner_check)
     out = args.out or os.path.join(os.environ.get("OUT") or "bench_out", "roofline.json")
-    from bench.common import write_json
-
-    write_json(out, result)
+    run(smoke=args.smoke, batches=tuple(args.batches), prefixes=tuple(args.prefixes), backends=tuple(args.backends),
+        iters=args.iters, budget_s=args.budget_s, runner_check=not args.no_runner_check,
+        scheduler_check=not args.no_scheduler_check, out_path=out)
     print(f"wrote {out}")
     return 0
 
