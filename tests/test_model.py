@@ -103,16 +103,16 @@ def test_incremental_paged_path_equals_full_forward(tmp_path, block):
     # Pages out of order on purpose: the page table, not the position, says where a block lives.
     page_ids = np.array([5, 2, 7, 3])
     table = jnp.asarray(np.concatenate([page_ids, [0, 0]])[None], jnp.int32)
+    chunk = jax.jit(lambda *a: forward_chunk(params, cfg, *a, block_size=block,
+                                             attention_fn=paged_block_attention_reference))
     # Prefill the first two blocks in one chunk.
-    hidden, pages = forward_chunk(params, cfg, jnp.asarray(tokens[:, : 2 * block]), pages, table,
-                                  jnp.zeros((1,), jnp.int32), jnp.asarray(page_ids[None, :2]),
-                                  block_size=block, attention_fn=paged_block_attention_reference)
+    hidden, pages = chunk(jnp.asarray(tokens[:, : 2 * block]), pages, table, jnp.zeros((1,), jnp.int32),
+                          jnp.asarray(page_ids[None, :2]))
     np.testing.assert_allclose(np.asarray(hidden), np.asarray(full[:, : 2 * block]), atol=1e-4)
     for b in range(2, num_blocks):
         sl = slice(b * block, (b + 1) * block)
-        hidden, pages = forward_chunk(params, cfg, jnp.asarray(tokens[:, sl]), pages, table,
-                                      jnp.asarray([b * block], jnp.int32), jnp.asarray(page_ids[None, b:b + 1]),
-                                      block_size=block, attention_fn=paged_block_attention_reference)
+        hidden, pages = chunk(jnp.asarray(tokens[:, sl]), pages, table, jnp.asarray([b * block], jnp.int32),
+                              jnp.asarray(page_ids[None, b:b + 1]))
         np.testing.assert_allclose(np.asarray(hidden), np.asarray(full[:, sl]), atol=1e-4)
 
 

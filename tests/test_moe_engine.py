@@ -23,7 +23,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], [3, 4], [MASK, 2, MASK, 3], [11, 12, 13, 14, 15,
 PARAMS = {"max_new_tokens": 9, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(scope="module", params=["llada2", pytest.param("sdar_moe", marks=pytest.mark.slow)])
 def moe_model(request, tmp_path_factory):
     cfg = ModelConfig(**COMMON, **CONFIGS[request.param])
     params = init_params(cfg, jax.random.PRNGKey(3), std=0.5)
