@@ -92,6 +92,16 @@ class Ctx:
         return row
 
     # ------------------------------------------------------------------------------------------
+    def cpu_ceiling(self) -> float | None:
+        """The float32 matmul rate of this machine (GFLOP/s; measured once; None on an accelerator)."""
+        import jax
+
+        if jax.default_backend() != "cpu":
+            return None
+        if "matmul_gflops" not in self._memo:
+            self._memo["matmul_gflops"] = matmul_gflops()
+        return self._memo["matmul_gflops"]
+
     def model(self, name: str) -> ModelInfo:
         if name not in self._models:
             self._models[name] = _build_model(self, name)
@@ -461,6 +471,29 @@ def summarize_trace(path: str, names: tuple[str, ...] | None = None) -> list[tup
 
 ENGINE_ANNOTATIONS = ("engine_step", "schedule", "radix.match", "radix.insert", "radix.evict", "prefill",
                       "denoise_step", "commit")
+
+
+def matmul_gflops(n: int = 2048, reps: int = 3) -> float:
+    """The machine's float32 matmul rate through JAX (GFLOP/s): the arithmetic ceiling of the CPU runs."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32)
+    f = jax.jit(lambda x, y: x @ y)
+    jax.block_until_ready(f(a, b))
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(a, b))
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best / 1e9
+
+
+def gflops(forwards: int, num_params: int, seconds: float, block: int = BLOCK_SIZE) -> float:
+    """Approximate achieved GFLOP/s of the linear layers: each forward runs ``block`` positions through every
+    weight (2 FLOPs per weight per position); attention and the prefill's extra blocks are left out."""
+    return forwards * 2 * num_params * block / seconds / 1e9 if seconds > 0 else float("nan")
 
 
 def stats(values) -> dict:
