@@ -80,8 +80,8 @@ def engine_run(ctx: Ctx, m: ModelInfo, prompts: list[list[int]], max_new: int, c
     engine = make_engine(m, ctx, **kwargs)
 
     def prepare():
-        if prefix_cache:
-            assert engine.flush_cache()
+        if prefix_cache and not engine.flush_cache():
+            raise RuntimeError("flush_cache refused: requests are still in the engine")
         if primer:
             run_requests(engine, list(primer), params, 1)
 
