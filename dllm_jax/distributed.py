@@ -36,7 +36,7 @@ def is_leader() -> bool:
 class BroadcastChannel:
     """Leader -> followers over JAX's own collectives (no extra transport)."""
 
-    HEADER = 3
+    HEADER = 4
 
     def __init__(self):
         from jax.experimental import multihost_utils

@@ -3,14 +3,13 @@ calls the jitted functions of :mod:`dllm_jax.decode.step`.
 
 Buckets (every dimension a power of two, so a handful of executables serve all traffic):
 
-* denoise rows: 1, 2, 4, ... up to ``max_rows`` (the engine's ``max_running_requests``, rounded up);
-* prefill rows: 1, 2, 4, ... up to ``max_prefill_tokens / B``. Prefill runs one *block* per row: the blocks
-  of one request sit in consecutive rows, each row's page table lists every page before its block (earlier
-  blocks of the same call included: the model writes K/V before attending), so a whole prompt is encoded in
-  one call with exactly the block-causal mask, and many requests' prompts share a call;
-* page-table width (prefix pages per row): 1, 4, 16, ... (x4) up to ``ceil(context_length / B)``.
-
-So the executables are (rows x width) for the denoise step and for prefill: a few dozen at most.
+* denoise rows: 1, 2, 4, ... up to ``max_rows`` (the engine's ``max_running_requests``, rounded up; twice that
+  with commit folding, for the refresh rows);
+* prefill: one row per request holding a chunk of C consecutive complete blocks (block-causal attention inside
+  the chunk, the prefix gathered once per row); C in 1, 2, 4, ... and rows in 1, 2, 4, ... with
+  rows x C <= ``max_prefill_tokens / B``: one long prompt is a single row of many blocks, many short prompts are
+  many rows of few blocks;
+* page-table width (prefix pages per row): 1, 2, 4, ... up to ``ceil(context_length / B)``.
 :meth:`ModelRunner.warmup` compiles all of them; afterwards nothing recompiles.
 """
 
@@ -42,15 +41,6 @@ def pow2_buckets(limit: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def ladder(limit: int, factor: int) -> tuple[int, ...]:
-    out, b = [], 1
-    while b < limit:
-        out.append(b)
-        b *= factor
-    out.append(limit)
-    return tuple(out)
-
-
 def pick_bucket(n: int, buckets: tuple[int, ...]) -> int:
     for b in buckets:
         if n <= b:
@@ -60,9 +50,9 @@ def pick_bucket(n: int, buckets: tuple[int, ...]) -> int:
 
 @dataclasses.dataclass
 class PrefillRow:
-    tokens: list[int]  # one complete block of real tokens
-    prefix_pages: list[int]  # every page before this block (it may be written by an earlier row of the call)
-    write_page: int
+    tokens: list[int]  # C_i complete blocks of real tokens
+    prefix_pages: list[int]  # every page before the chunk
+    write_pages: list[int]  # C_i pages
 
 
 @dataclasses.dataclass
@@ -100,9 +90,10 @@ class ModelRunner:
         self.algorithm = algorithm
         # With folding, a denoise call may carry one refresh row per request besides its decode row.
         self.row_buckets = pow2_buckets(2 * max_rows if fold_commit else max_rows)
-        self.width_buckets = ladder(max_pages_per_row, 4)
-        self.prefill_buckets = pow2_buckets(max_prefill_blocks)
-        self.max_prefill_blocks = self.prefill_buckets[-1]
+        self.width_buckets = pow2_buckets(max_pages_per_row)
+        self.chunk_buckets = pow2_buckets(max_prefill_blocks)
+        self.max_prefill_blocks = self.chunk_buckets[-1]
+        self.prefill_row_buckets = pow2_buckets(min(max_rows, self.max_prefill_blocks))
         self.mesh = mesh
         self.channel = channel  # multi-host: how the leader's step inputs reach the followers
         self.kv_pages = init_kv_pages(cfg, num_pages, block_size, kv_dtype)
@@ -125,7 +116,8 @@ class ModelRunner:
     # followers first, so all processes run the same SPMD program on the same data.
     def _execute(self, kind: int, arrays: dict[str, np.ndarray]):
         if self.channel is not None:
-            self.channel.send(np.asarray([kind, *arrays["page_table"].shape], np.int32), arrays)
+            self.channel.send(np.asarray([kind, *arrays["page_table"].shape, arrays["tokens"].shape[1]], np.int32),
+                              arrays)
         self.device_calls += 1
         if kind == KIND_PREFILL:
             self.kv_pages = prefill(self.params, self.kv_pages, arrays["tokens"], arrays["page_table"],
@@ -140,11 +132,11 @@ class ModelRunner:
 
     def _template(self, header: np.ndarray) -> dict[str, np.ndarray]:
         """Zero arrays shaped like the leader's call (followers receive into them)."""
-        kind, rows, width = (int(x) for x in header)
+        kind, rows, width, length = (int(x) for x in header)
         B = self.block_size
         if kind == KIND_PREFILL:
-            return {"tokens": np.zeros((rows, B), np.int32), "page_table": np.zeros((rows, width), np.int32),
-                    "prefix_len": np.zeros((rows,), np.int32), "write": np.zeros((rows, 1), np.int32)}
+            return {"tokens": np.zeros((rows, length), np.int32), "page_table": np.zeros((rows, width), np.int32),
+                    "prefix_len": np.zeros((rows,), np.int32), "write": np.zeros((rows, length // B), np.int32)}
         out = {"tokens": np.zeros((rows, B), np.int32), "immutable": np.zeros((rows, B), np.bool_),
                "page_table": np.zeros((rows, width), np.int32), "prefix_len": np.zeros((rows,), np.int32),
                "write_page": np.zeros((rows,), np.int32), "steps_taken": np.zeros((rows,), np.int32),
@@ -177,22 +169,30 @@ class ModelRunner:
 
     def stop_followers(self) -> None:
         if self.channel is not None:
-            self.channel.send(np.asarray([KIND_STOP, 0, 0], np.int32), {})
+            self.channel.send(np.asarray([KIND_STOP, 0, 0, 0], np.int32), {})
 
     # -------------------------------------------------------------------------------------------
+    def prefill_shape(self, num_rows: int, max_blocks: int) -> tuple[int, int]:
+        """(rows, blocks per row) buckets for a prefill call; rows x blocks stays within the budget."""
+        C = pick_bucket(max_blocks, self.chunk_buckets)
+        R = pick_bucket(num_rows, self.prefill_row_buckets)
+        if R > 1 and R * C > self.max_prefill_blocks:
+            raise ValueError(f"prefill of {num_rows} rows x {max_blocks} blocks exceeds the budget")
+        return R, C
+
     def prefill(self, rows: list[PrefillRow]) -> None:
         B = self.block_size
-        R = pick_bucket(len(rows), self.prefill_buckets)
+        R, C = self.prefill_shape(len(rows), max(len(r.write_pages) for r in rows))
         W = pick_bucket(max(1, max(len(r.prefix_pages) for r in rows)), self.width_buckets)
-        tokens = np.zeros((R, B), np.int32)
+        tokens = np.zeros((R, C * B), np.int32)
         table = np.full((R, W), TRASH_PAGE, np.int32)
         prefix = np.zeros((R,), np.int32)
-        write = np.full((R, 1), TRASH_PAGE, np.int32)
+        write = np.full((R, C), TRASH_PAGE, np.int32)
         for i, r in enumerate(rows):
-            tokens[i] = r.tokens
+            tokens[i, : len(r.tokens)] = r.tokens
             table[i, : len(r.prefix_pages)] = r.prefix_pages
             prefix[i] = len(r.prefix_pages) * B
-            write[i, 0] = r.write_page
+            write[i, : len(r.write_pages)] = r.write_pages
         self._execute(KIND_PREFILL, {"tokens": tokens, "page_table": table, "prefix_len": prefix, "write": write})
 
     def denoise(self, rows: list[DecodeRow]) -> DecodeOutput:
@@ -253,8 +253,11 @@ class ModelRunner:
                 rows = [dataclasses.replace(rows[0], temperature=1.0)] * R
                 self.denoise(rows)
                 count += 1
-        for R, W in itertools.product(self.prefill_buckets, self.width_buckets):
-            self.prefill([PrefillRow(tokens=[0] * B, prefix_pages=[TRASH_PAGE] * W, write_page=TRASH_PAGE)] * R)
+        for R, C, W in itertools.product(self.prefill_row_buckets, self.chunk_buckets, self.width_buckets):
+            if R > 1 and R * C > self.max_prefill_blocks:
+                continue
+            self.prefill([PrefillRow(tokens=[0] * (C * B), prefix_pages=[TRASH_PAGE] * W,
+                                     write_pages=[TRASH_PAGE] * C)] * R)
             count += 1
         jax.block_until_ready(self.kv_pages)
         return count

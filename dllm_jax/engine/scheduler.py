@@ -189,21 +189,19 @@ class Scheduler:
     # Prefill
     # ------------------------------------------------------------------------------------------
     def _prefill_round(self, reqs: list[Request]) -> None:
-        """Encode complete blocks of real tokens, up to the prefill budget, one block per row, in one forward."""
+        """Encode complete blocks of real tokens in one forward: a row per request, holding a chunk of its
+        consecutive blocks (block-causal inside the chunk), as many as the prefill budget allows."""
         B = self.B
         budget = self.max_prefill_blocks
-        planned: list[tuple[Request, int]] = []
-        for req in reqs:
-            if budget == 0:
-                break
-            n = min(req.real_len // B - len(req.pages), budget)
-            planned.append((req, n))
-            budget -= n
+        remaining = {id(r): r.real_len // B - len(r.pages) for r in reqs}
+        reqs = sorted(reqs, key=lambda r: -remaining[id(r)])  # similar chunk lengths share a call
+        _, chunk = self.runner.prefill_shape(1, min(remaining[id(reqs[0])], budget))
+        max_rows = max(1, budget // chunk)
         allocated: list[tuple[Request, list[int]]] = []
-        for req, n in planned:
+        for req in reqs[:max_rows]:
             if req.phase is not Phase.PREFILL:
                 continue  # retracted while pages were found for an earlier request
-            pages = self._alloc(n, req)
+            pages = self._alloc(min(remaining[id(req)], chunk), req)
             if pages is not None:
                 req.own_pages.update(pages)
                 allocated.append((req, pages))
@@ -212,12 +210,9 @@ class Scheduler:
             return
         rows = []
         for req, pages in allocated:
-            real, prefix_pages = req.real_ids, list(req.pages)
-            for page in pages:
-                start = len(prefix_pages) * B
-                rows.append(PrefillRow(tokens=real[start:start + B], prefix_pages=list(prefix_pages),
-                                       write_page=page))
-                prefix_pages.append(page)
+            start = req.prefix_len(B)
+            rows.append(PrefillRow(tokens=req.real_ids[start:start + len(pages) * B], prefix_pages=list(req.pages),
+                                   write_pages=pages))
         with jax.profiler.TraceAnnotation("prefill"):
             self.runner.prefill(rows)
         self.stats["prefill_forwards"] += 1
