@@ -34,7 +34,9 @@ def resolve_backend(name: str, field: str) -> str:
 
 def attention_function(backend: str, mesh=None, cfg=None):
     if backend == "xla":
-        return paged_block_attention_reference
+        from dllm_jax.decode.xla_attention import paged_block_attention_tiled
+
+        return paged_block_attention_tiled  # the reference, query-tiled for long prefill chunks
     from pallas_kernels import get_attention_fn
 
     kernel = get_attention_fn(backend)
