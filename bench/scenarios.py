@@ -561,6 +561,12 @@ def radix(ctx: Ctx) -> dict:
     return {}
 
 
+def moe(ctx: Ctx) -> dict:
+    from bench.moe import moe as run
+
+    return run(ctx)
+
+
 SCENARIOS = {
     "baseline": baseline,
     "concurrency": concurrency,
@@ -571,5 +577,6 @@ SCENARIOS = {
     "roofline": roofline,
     "kernels": kernels,
     "radix": radix,
+    "moe": moe,
 }
-DEFAULT_SCENARIOS = ("baseline", "concurrency", "prefix", "long", "schedules", "engine", "roofline")
+DEFAULT_SCENARIOS = ("baseline", "concurrency", "prefix", "long", "schedules", "engine", "moe", "roofline")
