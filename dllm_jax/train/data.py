@@ -15,7 +15,7 @@ import numpy as np
 from dllm_jax.train import tasks
 from dllm_jax.train.tokenizer import ENDOFTEXT, IM_END, MASK, chat_prompt, special_ids
 
-DEFAULT_SEQ_LEN = 160
+DEFAULT_SEQ_LEN = 128
 
 
 @dataclasses.dataclass

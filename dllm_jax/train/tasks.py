@@ -1,15 +1,22 @@
 """The synthetic, deterministic chat corpus the shipped model is trained on.
 
-Every task's answer is fully determined by its prompt and spans several blocks (roughly 30-100
-tokens with the project's tokenizer). Items (words, numbers 0-199) are single tokens with a leading
-space, so a model can place each answer token by position and fill many positions per forward.
+Every task's answer is fully determined by its prompt and spans several blocks (30-100 tokens with
+the project's tokenizer). Items (words, numbers 0-199) are single tokens with a leading space, and
+every answer is locally structured: each token follows from its neighbours and the prompt's few
+parameters, and the answer's end is visible locally (the last number reached, the repetition
+number reaching the target). That is what a 1-2M-parameter model learns in minutes on a CPU, and
+what lets it commit many positions of a block per forward.
 
-* ``copy``     -- "Copy the list: a b c"                 -> "Answer: a b c"
-* ``reverse``  -- "Reverse the list: a b c"              -> "Answer: c b a"
-* ``count``    -- "Count from 12 to 57." / "Count down from 57 to 12."
-* ``repeat``   -- "Repeat 7 times: red fox"              -> "Answer: red fox | red fox | ..."
-* ``add_one``  -- "Add one to each number: 4 17 99"      -> "Answer: 5 18 100"
-* ``times``    -- "Times table of 7 from 3 to 12."       -> "Answer: 7 x 3 = 21 | 7 x 4 = 28 | ..."
+* ``count``     -- "Count from 12 to 57."                -> "Answer: 12 13 14 ... 57"
+* ``countdown`` -- "Count down from 57 to 12."           -> "Answer: 57 56 55 ... 12"
+* ``evens``     -- "Count by twos from 13 to 75."        -> "Answer: 13 15 17 ... 75"
+* ``repeat``    -- "Repeat 3 times: red fox"             -> "Answer: 1 red fox | 2 red fox | 3 red fox"
+* ``backwards`` -- "Repeat backwards 2 times: red fox"   -> "Answer: 1 fox red | 2 fox red"
+* ``times``     -- "Times table of 7 from 3 to 12."      -> "Answer: 7 x 3 = 21 | 7 x 4 = 28 | ..."
+
+(Tasks that need long-range content retrieval -- copying, reversing or mapping a list of 30-55
+items -- were tried first: a model this size had not started to learn them after 3000 steps,
+the classic induction-head plateau, so they are not in the corpus. See README.md.)
 
 Training examples come from a numpy generator seeded with ``(seed, step)``; the held-out set is the
 prefix of a stream drawn with :data:`HELDOUT_SEED`, and training streams skip every prompt of the
@@ -23,9 +30,9 @@ import functools
 
 import numpy as np
 
-TASKS = ("copy", "reverse", "count", "repeat", "add_one", "times")
+TASKS = ("count", "countdown", "evens", "repeat", "backwards", "times")
 HELDOUT_SEED = 20261202
-HELDOUT_POOL = 2000  # training never sees any of the first HELDOUT_POOL held-out prompts
+HELDOUT_POOL = 600  # training never sees any of the first HELDOUT_POOL held-out prompts
 MAX_NUMBER = 199
 ANSWER_PREFIX = "Answer:"
 
@@ -54,47 +61,51 @@ def _answer(items) -> str:
     return f"{ANSWER_PREFIX} {_join(items)}"
 
 
-def _item_list(rng: np.random.Generator, n: int) -> list:
-    if rng.random() < 0.5:
-        return [WORDS[i] for i in rng.integers(0, len(WORDS), n)]
-    return [int(x) for x in rng.integers(0, MAX_NUMBER + 1, n)]
-
-
-def gen_copy(rng: np.random.Generator) -> Example:
-    items = _item_list(rng, int(rng.integers(30, 61)))
-    return Example("copy", f"Copy the list: {_join(items)}", _answer(items))
-
-
-def gen_reverse(rng: np.random.Generator) -> Example:
-    items = _item_list(rng, int(rng.integers(30, 61)))
-    return Example("reverse", f"Reverse the list: {_join(items)}", _answer(items[::-1]))
-
-
 def gen_count(rng: np.random.Generator) -> Example:
     length = int(rng.integers(30, 91))
     lo = int(rng.integers(0, MAX_NUMBER - length + 2))
     hi = lo + length - 1
-    if rng.random() < 0.5:
-        return Example("count", f"Count from {lo} to {hi}.", _answer(range(lo, hi + 1)))
-    return Example("count", f"Count down from {hi} to {lo}.", _answer(range(hi, lo - 1, -1)))
+    return Example("count", f"Count from {lo} to {hi}.", _answer(range(lo, hi + 1)))
+
+
+def gen_countdown(rng: np.random.Generator) -> Example:
+    length = int(rng.integers(30, 91))
+    lo = int(rng.integers(0, MAX_NUMBER - length + 2))
+    hi = lo + length - 1
+    return Example("countdown", f"Count down from {hi} to {lo}.", _answer(range(hi, lo - 1, -1)))
+
+
+def gen_evens(rng: np.random.Generator) -> Example:
+    length = int(rng.integers(30, 71))
+    lo = int(rng.integers(0, MAX_NUMBER - 2 * (length - 1) + 1))
+    hi = lo + 2 * (length - 1)
+    return Example("evens", f"Count by twos from {lo} to {hi}.", _answer(range(lo, hi + 1, 2)))
+
+
+def _phrase_and_times(rng: np.random.Generator) -> tuple[list[str], int]:
+    plen = int(rng.integers(2, 6))
+    lo_times = -(-30 // (plen + 2))
+    hi_times = min(15, 100 // (plen + 2))
+    times = int(rng.integers(lo_times, hi_times + 1))
+    return [WORDS[i] for i in rng.choice(len(WORDS), plen, replace=False)], times
+
+
+def _numbered(phrase: list[str], times: int) -> str:
+    return f"{ANSWER_PREFIX} " + " | ".join(f"{i} {_join(phrase)}" for i in range(1, times + 1))
 
 
 def gen_repeat(rng: np.random.Generator) -> Example:
-    plen = int(rng.integers(2, 6))
-    lo_times = max(2, -(-30 // (plen + 1)))
-    hi_times = min(15, 100 // (plen + 1))
-    times = int(rng.integers(lo_times, hi_times + 1))
-    phrase = _join(WORDS[i] for i in rng.integers(0, len(WORDS), plen))
-    return Example("repeat", f"Repeat {times} times: {phrase}", f"{ANSWER_PREFIX} " + " | ".join([phrase] * times))
+    phrase, times = _phrase_and_times(rng)
+    return Example("repeat", f"Repeat {times} times: {_join(phrase)}", _numbered(phrase, times))
 
 
-def gen_add_one(rng: np.random.Generator) -> Example:
-    nums = [int(x) for x in rng.integers(0, MAX_NUMBER, int(rng.integers(30, 61)))]
-    return Example("add_one", f"Add one to each number: {_join(nums)}", _answer(x + 1 for x in nums))
+def gen_backwards(rng: np.random.Generator) -> Example:
+    phrase, times = _phrase_and_times(rng)
+    return Example("backwards", f"Repeat backwards {times} times: {_join(phrase)}", _numbered(phrase[::-1], times))
 
 
 def gen_times(rng: np.random.Generator) -> Example:
-    k = int(rng.integers(2, 13))
+    k = int(rng.integers(2, 20))
     top = min(16, MAX_NUMBER // k)
     length = int(rng.integers(6, min(14, top) + 1))
     start = int(rng.integers(1, top - length + 2))
@@ -104,8 +115,8 @@ def gen_times(rng: np.random.Generator) -> Example:
 
 
 GENERATORS = {
-    "copy": gen_copy, "reverse": gen_reverse, "count": gen_count,
-    "repeat": gen_repeat, "add_one": gen_add_one, "times": gen_times,
+    "count": gen_count, "countdown": gen_countdown, "evens": gen_evens,
+    "repeat": gen_repeat, "backwards": gen_backwards, "times": gen_times,
 }
 
 

@@ -42,7 +42,7 @@ class TrainConfig:
     num_kv_heads: int = 2
     head_dim: int = 64
     intermediate_size: int = 768
-    rope_theta: float = 10000.0
+    rope_theta: float = 1000.0
     max_position_embeddings: int = 512
     # data
     seq_len: int = data_lib.DEFAULT_SEQ_LEN
