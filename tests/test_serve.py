@@ -134,7 +134,7 @@ def examples(engine):
     """Held-out examples whose answers fit MAX_NEW tokens (every task is represented)."""
     from dllm_jax.train.tasks import heldout_set
 
-    out = [ex for ex in heldout_set(60) if len(engine.tokenize(ex.answer)) <= MAX_NEW - 14]
+    out = [ex for ex in heldout_set(120) if len(engine.tokenize(ex.answer)) <= MAX_NEW - 14]
     assert len({ex.task for ex in out}) == 6 and len(out) >= 24
     return out[:24]
 

@@ -180,7 +180,11 @@ def _read_log(path: str, upto_step: int | None = None) -> list[dict]:
 def plot_loss(log_rows: list[dict], png_path: str, title: str = "") -> None:
     if not log_rows:
         return
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the plot is a by-product; training results do not depend on it
+        print(f"matplotlib is not installed (pip install -e '.[train]'): {png_path} not written", flush=True)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
