@@ -370,6 +370,23 @@ def _abort_error(results: list[dict]) -> ApiError | None:
     return None
 
 
+async def _finished_results(batch, request: Request) -> list[dict] | None:
+    """Wait for a non-streamed batch: its results, ``None`` when the client went away (the batch is then
+    aborted), or an :class:`ApiError` raised for an aborted request."""
+    try:
+        await batch.wait(request)
+    except ClientGone:
+        batch.close(client_gone=True)
+        return None
+    finally:
+        batch.close()
+    results = batch.results()
+    err = _abort_error(results)
+    if err is not None:
+        raise err
+    return results
+
+
 class SSEResponse(StreamingResponse):
     """Server-sent events that watch for the client going away (and then cancel the stream) and always run
     ``on_close(client_gone)`` at the end, even if the stream never started."""
@@ -658,17 +675,9 @@ def create_app(engine=None, settings: ServerSettings | None = None, *,
         batch = server.start_batch(ids_list, params_list, fields, stream=body.stream, rids=rids)
         if body.stream:
             return SSEResponse(_generate_stream(server, batch, batch_mode), lambda gone: batch.close(gone))
-        try:
-            await batch.wait(request)
-        except ClientGone:
-            batch.close(client_gone=True)
+        results = await _finished_results(batch, request)
+        if results is None:
             return Response(status_code=499)
-        finally:
-            batch.close()
-        results = batch.results()
-        err = _abort_error(results)
-        if err is not None:
-            raise err
         return results if batch_mode else results[0]
 
     # -- OpenAI ---------------------------------------------------------------------------------
@@ -697,17 +706,9 @@ def create_app(engine=None, settings: ServerSettings | None = None, *,
         cid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
             return SSEResponse(_completion_stream(server, batch, body, cid, echoes), lambda gone: batch.close(gone))
-        try:
-            await batch.wait(request)
-        except ClientGone:
-            batch.close(client_gone=True)
+        results = await _finished_results(batch, request)
+        if results is None:
             return Response(status_code=499)
-        finally:
-            batch.close()
-        results = batch.results()
-        err = _abort_error(results)
-        if err is not None:
-            raise err
         choices = [{"index": i, "text": echoes[i] + res["text"], "logprobs": None,
                     "finish_reason": _openai_finish(res["meta_info"]),
                     "matched_stop": _matched(res["meta_info"])} for i, res in enumerate(results)]
@@ -737,17 +738,9 @@ def create_app(engine=None, settings: ServerSettings | None = None, *,
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             return SSEResponse(_chat_stream(server, batch, body, cid), lambda gone: batch.close(gone))
-        try:
-            await batch.wait(request)
-        except ClientGone:
-            batch.close(client_gone=True)
+        results = await _finished_results(batch, request)
+        if results is None:
             return Response(status_code=499)
-        finally:
-            batch.close()
-        results = batch.results()
-        err = _abort_error(results)
-        if err is not None:
-            raise err
         res = results[0]
         return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": server.model_name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": res["text"]},

@@ -89,18 +89,11 @@ def _check_token_list(v, field: str) -> list[int]:
 # ----------------------------------------------------------------------------------------------
 # SGLang: POST /generate
 # ----------------------------------------------------------------------------------------------
-class SamplingParamsBody(_Strict):
-    """SGLang's sampling parameters that the engine implements (see ``dllm_jax.engine.sampling``)."""
+class _StopFields(_Strict):
+    """Stop strings and stop token ids, validated the same way on every endpoint."""
 
-    max_new_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS_LIMIT)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
     stop: Any = None
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    seed: int | None = Field(None, ge=0, lt=2 ** 32)
 
     @field_validator("stop")
     @classmethod
@@ -111,6 +104,18 @@ class SamplingParamsBody(_Strict):
     @classmethod
     def _stop_ids(cls, v):
         return None if v is None else _check_token_list(v, "stop_token_ids")
+
+
+class SamplingParamsBody(_StopFields):
+    """SGLang's sampling parameters that the engine implements (see ``dllm_jax.engine.sampling``)."""
+
+    max_new_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS_LIMIT)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    seed: int | None = Field(None, ge=0, lt=2 ** 32)
 
     def engine_dict(self) -> dict:
         return {k: v for k, v in self.model_dump(exclude_none=True).items()}
@@ -214,7 +219,7 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool | None = None
 
 
-class _OpenAICommon(_Strict):
+class _OpenAICommon(_StopFields):
     """Fields both OpenAI endpoints share. Features the engine lacks accept only their neutral value."""
 
     model: str | None = None
@@ -223,7 +228,6 @@ class _OpenAICommon(_Strict):
     n: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: Any = None
     seed: int | None = Field(None, ge=0, lt=2 ** 32)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -233,17 +237,6 @@ class _OpenAICommon(_Strict):
     top_k: int | None = Field(None, ge=-1)
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
-    stop_token_ids: list[int] | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v):
-        return _check_stop(v, "stop")
-
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _stop_ids(cls, v):
-        return None if v is None else _check_token_list(v, "stop_token_ids")
 
     @field_validator("presence_penalty", "frequency_penalty", "logit_bias", "n", check_fields=False)
     @classmethod

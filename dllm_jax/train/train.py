@@ -36,22 +36,22 @@ DEFAULT_BLOCK_SIZE = 32
 class TrainConfig:
     out: str = "train_out/sdar-tiny"
     # model
-    hidden_size: int = 256
-    num_layers: int = 4
+    hidden_size: int = 128
+    num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 2
-    head_dim: int = 64
-    intermediate_size: int = 768
+    head_dim: int = 32
+    intermediate_size: int = 512
     rope_theta: float = 1000.0
     max_position_embeddings: int = 512
     # data
     seq_len: int = data_lib.DEFAULT_SEQ_LEN
-    batch_size: int = 32
+    batch_size: int = 16
     block_sizes: tuple = objective.BLOCK_SIZES
     block_size_probs: tuple = (0.2, 0.2, 0.2, 0.4)
     seed: int = 0
     # optimization
-    steps: int = 1000           # length of the LR schedule (and of training unless --minutes stops it first)
+    steps: int = 4000           # length of the LR schedule (and of training unless --minutes stops it first)
     minutes: float = 0.0        # > 0: stop (and export) after this much training wall time
     lr: float = 2e-3
     min_lr_ratio: float = 0.05
@@ -59,8 +59,8 @@ class TrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     # bookkeeping
-    log_every: int = 10
-    ckpt_every: int = 100
+    log_every: int = 50
+    ckpt_every: int = 500
     export: str = ""            # also copy the final HF directory here
 
     def model_config(self, vocab_size: int, mask_id: int, eos_ids: tuple[int, ...]) -> ModelConfig:
