@@ -39,15 +39,13 @@ def test_heldout_set_is_fixed_balanced_and_never_trained_on():
 def test_answers_are_determined_by_the_prompt():
     rng = np.random.default_rng(3)
     for _ in range(20):
-        ex = tasks.gen_count(rng)
-        lo, hi = (int(w.rstrip(".")) for w in ex.prompt.split()[2::2])
-        assert ex.answer == "Answer: " + " ".join(map(str, range(lo, hi + 1)))
-        ex = tasks.gen_countdown(rng)
-        hi, lo = (int(w.rstrip(".")) for w in ex.prompt.split()[3::2])
-        assert ex.answer == "Answer: " + " ".join(map(str, range(hi, lo - 1, -1)))
-        ex = tasks.gen_evens(rng)
-        lo, hi = (int(w.rstrip(".")) for w in ex.prompt.split()[4::2])
-        assert ex.answer == "Answer: " + " ".join(map(str, range(lo, hi + 1, 2)))
+        for gen, words, step in ((tasks.gen_count, 4, 1), (tasks.gen_countdown, 4, -1), (tasks.gen_evens, 5, 2)):
+            ex = gen(rng)
+            steps, start = int(ex.prompt.split()[words - 2]), int(ex.prompt.rstrip(".").split()[-1])
+            assert tasks.MIN_STEPS <= steps <= tasks.MAX_STEPS and len(ex.prompt.split()) == words + 2
+            items = [start + step * i for i in range(steps)]
+            assert ex.answer == "Answer: " + " | ".join(f"{i} {x}" for i, x in enumerate(items, 1))
+            assert 0 <= min(items) and max(items) <= tasks.MAX_NUMBER
         ex = tasks.gen_times(rng)
         words = ex.prompt.rstrip(".").split()
         k, lo, hi = int(words[3]), int(words[5]), int(words[7])

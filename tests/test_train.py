@@ -87,6 +87,13 @@ def test_loss_is_on_masked_positions_only():
     # a masked position's own target matters; changing the prompt (context) matters too
     loss3, _ = objective.loss_fn(params, TINY, key, tokens.at[:, 0].set(9), prompt_len, answer_end, b)
     assert abs(float(loss3) - float(loss)) > 1e-7
+    # end_weight scales exactly the positions from <|im_end|> (answer_end - 1) on
+    w = 7.0
+    loss4, _ = objective.loss_fn(params, TINY, key, tokens, prompt_len, answer_end, b, end_weight=w)
+    at_end = jnp.arange(s)[None, :] >= 13
+    expected4 = jnp.sum(jnp.where(masked, ce / t * jnp.where(at_end, w, 1.0), 0)) / scored.sum()
+    np.testing.assert_allclose(float(loss4), float(expected4), rtol=1e-5)
+    assert bool(jnp.any(masked & at_end)) and float(loss4) > float(loss)
 
 
 def test_one_training_step_checkpoint_resume_and_export(tmp_path):

@@ -126,8 +126,13 @@ def add_noise(key, tokens, prompt_len, answer_end, block_size, mask_id, min_nois
     return noisy, masked, t, scored
 
 
-def loss_fn(params, cfg: ModelConfig, key, tokens, prompt_len, answer_end, block_size: int):
+def loss_fn(params, cfg: ModelConfig, key, tokens, prompt_len, answer_end, block_size: int,
+            end_weight: float = 1.0):
     """Block-diffusion loss for a batch whose rows all use ``block_size`` (static).
+
+    ``end_weight`` multiplies the loss of the positions from the answer's ``<|im_end|>`` on (where to
+    stop): one position per answer, otherwise too rare a signal for a small model to learn to compare
+    the last item with the prompt's bound instead of guessing the length.
 
     Returns (loss, metrics dict).
     """
@@ -141,7 +146,9 @@ def loss_fn(params, cfg: ModelConfig, key, tokens, prompt_len, answer_end, block
     ce = logz - target
     m = masked.astype(jnp.float32)
     num_scored = jnp.maximum(scored.sum(), 1)
-    loss = jnp.sum(ce * m / t) / num_scored
+    at_end = jnp.arange(s)[None, :] >= answer_end[:, None] - 1
+    weight = jnp.where(at_end, end_weight, 1.0)
+    loss = jnp.sum(ce * m * weight / t) / num_scored
     num_masked = jnp.maximum(m.sum(), 1.0)
     correct = (jnp.argmax(logits, axis=-1) == tokens).astype(jnp.float32)
     metrics = {

@@ -49,9 +49,10 @@ class TrainConfig:
     batch_size: int = 16
     block_sizes: tuple = objective.BLOCK_SIZES
     block_size_probs: tuple = (0.2, 0.2, 0.2, 0.4)
+    end_weight: float = 4.0     # loss weight of the stop positions (objective.loss_fn)
     seed: int = 0
     # optimization
-    steps: int = 4000           # length of the LR schedule (and of training unless --minutes stops it first)
+    steps: int = 7500           # length of the LR schedule (and of training unless --minutes stops it first)
     minutes: float = 0.0        # > 0: stop (and export) after this much training wall time
     lr: float = 2e-3
     min_lr_ratio: float = 0.05
@@ -90,10 +91,10 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
     )
 
 
-def make_train_step(cfg: ModelConfig, tx: optax.GradientTransformation, block_size: int):
+def make_train_step(cfg: ModelConfig, tx: optax.GradientTransformation, block_size: int, end_weight: float = 1.0):
     def step(params, opt_state, key, lr, tokens, prompt_len, answer_end):
         (loss, metrics), grads = jax.value_and_grad(objective.loss_fn, has_aux=True)(
-            params, cfg, key, tokens, prompt_len, answer_end, block_size)
+            params, cfg, key, tokens, prompt_len, answer_end, block_size, end_weight)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
         metrics["grad_norm"] = optax.global_norm(grads)
@@ -252,7 +253,7 @@ def train(tc: TrainConfig, *, resume: bool = False, progress: bool = True) -> di
           f"{cfg.num_layers} layers, heads {cfg.num_heads}/{cfg.num_kv_heads}; batch {tc.batch_size} x "
           f"{tc.seq_len} tokens (two copies: {2 * tc.seq_len}); steps {tc.steps}"
           + (f", stop after {tc.minutes} min" if tc.minutes else ""), flush=True)
-    steps_fns = {b: make_train_step(cfg, tx, b) for b in tc.block_sizes}
+    steps_fns = {b: make_train_step(cfg, tx, b, tc.end_weight) for b in tc.block_sizes}
     base_key = jax.random.key(tc.seed + 1)
 
     def meta(step):
