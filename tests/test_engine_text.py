@@ -39,9 +39,10 @@ def test_prompt_text_and_chat_template(chat_model, make_engine):
     assert by_text["meta_info"]["prompt_tokens"] == len(engine.tokenize(text))
 
 
-def test_stop_string_across_a_block_boundary(chat_model, make_engine):
-    engine = make_engine(chat_model)
-    prompt = engine.apply_chat_template("Count from 3 to 9.")
+def test_stop_string_across_a_block_boundary(make_engine):
+    # the shipped model at B = 4 (it was trained on 4 too): its text does not repeat itself, a random one may
+    engine = make_engine(None, block_size=4)
+    prompt = engine.apply_chat_template("Count up 15 steps from 40.")
     full = engine.generate(prompt=prompt, sampling_params=RUN)
     ids = full["output_ids"]
     tok = engine.tokenizer
