@@ -22,6 +22,29 @@ TINY_MASK_ID = 63
 TINY_EOS_ID = 1
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_compilation_caches(request):
+    """Drop every compiled executable after each test module. The suite compiles thousands of XLA programs in
+    one process and each keeps a few memory mappings of its JIT code alive (about 5 measured); with all of
+    them kept, XLA's CPU compiler segfaulted late in the run (in tests/test_tp.py), near the kernel's default
+    limit of 65,530 mappings. ``DLLM_TEST_LOG_MAPS=FILE`` logs the mapping count per module."""
+    yield
+    import gc
+
+    log_path = os.environ.get("DLLM_TEST_LOG_MAPS")
+    before = _count_maps() if log_path else 0
+    jax.clear_caches()
+    gc.collect()
+    if log_path:
+        with open(log_path, "a") as log:
+            log.write(f"{request.module.__name__} {before} {_count_maps()}\n")
+
+
+def _count_maps() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
 def build_tiny_model(path, *, block_size=4, seed=0, std=0.5, vocab=64, layers=2, max_pos=256, tie=False,
                      kv_heads=2, eos=TINY_EOS_ID):
     """A random Qwen3 small enough to compile in about a second; ``std`` 0.5 gives peaky distributions, so
