@@ -10,8 +10,8 @@ what lets it commit many positions of a block per forward.
 * ``count``     -- "Count up 12 steps from 61."          -> "Answer: 1 61 | 2 62 | ... | 12 72"
 * ``countdown`` -- "Count down 12 steps from 92."        -> "Answer: 1 92 | 2 91 | ... | 12 81"
 * ``evens``     -- "Count by twos 12 steps from 13."     -> "Answer: 1 13 | 2 15 | ... | 12 35"
-* ``repeat``    -- "Repeat 3 times: red fox"             -> "Answer: 1 red fox | 2 red fox | 3 red fox"
-* ``backwards`` -- "Repeat backwards 2 times: red fox"   -> "Answer: 1 fox red | 2 fox red"
+* ``repeat``    -- "Repeat 8 times: red owl"             -> "Answer: 1 red owl | 2 red owl | ... | 8 red owl"
+* ``backwards`` -- "Repeat backwards 8 times: red owl"   -> "Answer: 1 owl red | 2 owl red | ... | 8 owl red"
 * ``times``     -- "Times table of 7 from 3 to 12."      -> "Answer: 7 x 3 = 21 | 7 x 4 = 28 | ..."
 
 (Tasks that need long-range content retrieval -- copying, reversing or mapping a list of 30-55
