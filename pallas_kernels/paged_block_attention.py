@@ -38,14 +38,12 @@ def paged_block_attention_reference(q, k_new, v_new, k_pages, v_pages, page_tabl
     width = page_table.shape[1]
     scale = head_dim ** -0.5
 
-    # Gather each row's prefix pages: [Hkv, R, W, B, D] -> [R, Hkv, W*B, D].
-    k_prefix = k_pages[:, page_table].transpose(1, 0, 2, 3, 4).reshape(num_rows, num_kv_heads, width * block_size, head_dim)
-    v_prefix = v_pages[:, page_table].transpose(1, 0, 2, 3, 4).reshape(num_rows, num_kv_heads, width * block_size, head_dim)
+    k_prefix, v_prefix = gather_prefix(k_pages, v_pages, page_table)
     k_all = jnp.concatenate([k_prefix.astype(q.dtype), k_new.transpose(0, 2, 1, 3)], axis=2)
     v_all = jnp.concatenate([v_prefix.astype(q.dtype), v_new.transpose(0, 2, 1, 3)], axis=2)
 
     qg = q.reshape(num_rows, chunk_len, num_kv_heads, group, head_dim)
-    scores = _einsum_f32("rtkgd,rksd->rkgts", qg, k_all) * scale
+    scores = einsum_f32("rtkgd,rksd->rkgts", qg, k_all) * scale
 
     prefix_visible = jnp.arange(width * block_size)[None, :] < prefix_len[:, None]  # [R, W*B]
     q_block = jnp.arange(chunk_len) // block_size
@@ -57,11 +55,23 @@ def paged_block_attention_reference(q, k_new, v_new, k_pages, v_pages, page_tabl
     )  # [R, T, S]
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = _einsum_f32("rkgts,rksd->rtkgd", probs.astype(v_all.dtype), v_all)
+    out = einsum_f32("rkgts,rksd->rtkgd", probs.astype(v_all.dtype), v_all)
     return out.reshape(num_rows, chunk_len, num_q_heads, head_dim).astype(q.dtype)
 
 
-def _einsum_f32(spec, a, b):
+def gather_prefix(k_pages, v_pages, page_table):
+    """Each row's prefix K and V through its page table: pages ``[Hkv, P, B, D]`` -> ``[R, Hkv, W*B, D]``."""
+    num_rows, width = page_table.shape
+    num_kv_heads, _, block_size, head_dim = k_pages.shape
+
+    def gather(pages):
+        return pages[:, page_table].transpose(1, 0, 2, 3, 4).reshape(num_rows, num_kv_heads, width * block_size,
+                                                                      head_dim)
+
+    return gather(k_pages), gather(v_pages)
+
+
+def einsum_f32(spec, a, b):
     """einsum accumulating in float32. XLA:CPU cannot run a batched bf16 x bf16 -> f32 dot
     ("Unsupported element type for DotThunk"), so on CPU low-precision operands are upcast first
     (bf16 products are exact in f32, so the result is the same); GPUs keep the bf16 operands."""

@@ -13,15 +13,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.paged_block_attention import paged_block_attention_reference
+from pallas_kernels.paged_block_attention import einsum_f32, gather_prefix, paged_block_attention_reference
 
 DEFAULT_TILE = 256
-
-
-def _einsum(spec, a, b):
-    if a.dtype != jnp.float32 or b.dtype != jnp.float32:
-        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
 def paged_block_attention_tiled(q, k_new, v_new, k_pages, v_pages, page_table, prefix_len, *, block_size,
@@ -35,8 +29,7 @@ def paged_block_attention_tiled(q, k_new, v_new, k_pages, v_pages, page_table, p
     group = num_q_heads // num_kv_heads
     width = page_table.shape[1] * block_size
     scale = head_dim ** -0.5
-    k_prefix = k_pages[:, page_table].transpose(1, 0, 2, 3, 4).reshape(num_rows, num_kv_heads, width, head_dim)
-    v_prefix = v_pages[:, page_table].transpose(1, 0, 2, 3, 4).reshape(num_rows, num_kv_heads, width, head_dim)
+    k_prefix, v_prefix = gather_prefix(k_pages, v_pages, page_table)
     prefix_visible = jnp.arange(width)[None, :] < prefix_len[:, None]  # [R, W*B]
     k_chunk, v_chunk = k_new.transpose(0, 2, 1, 3), v_new.transpose(0, 2, 1, 3)  # [R, Hkv, T, D]
     qg = q.reshape(num_rows, chunk_len, num_kv_heads, group, head_dim)
@@ -44,15 +37,15 @@ def paged_block_attention_tiled(q, k_new, v_new, k_pages, v_pages, page_table, p
     for start in range(0, chunk_len, tile):  # static: one small attention per tile
         end = min(start + tile, chunk_len)
         qt = qg[:, start:end]
-        s_prefix = _einsum("rtkgd,rksd->rkgts", qt, k_prefix) * scale
-        s_chunk = _einsum("rtkgd,rksd->rkgts", qt, k_chunk[:, :, :end]) * scale
+        s_prefix = einsum_f32("rtkgd,rksd->rkgts", qt, k_prefix) * scale
+        s_chunk = einsum_f32("rtkgd,rksd->rkgts", qt, k_chunk[:, :, :end]) * scale
         q_block = jnp.arange(start, end) // block_size
         k_block = jnp.arange(end) // block_size
         s_prefix = jnp.where(prefix_visible[:, None, None, None, :], s_prefix, -jnp.inf)
         s_chunk = jnp.where((k_block[None, :] <= q_block[:, None])[None, None, None], s_chunk, -jnp.inf)
         probs = jax.nn.softmax(jnp.concatenate([s_prefix, s_chunk], axis=-1), axis=-1)
-        out = _einsum("rkgts,rksd->rtkgd", probs[..., :width], v_prefix) + \
-            _einsum("rkgts,rksd->rtkgd", probs[..., width:], v_chunk[:, :, :end])
+        out = einsum_f32("rkgts,rksd->rtkgd", probs[..., :width], v_prefix) + \
+            einsum_f32("rkgts,rksd->rtkgd", probs[..., width:], v_chunk[:, :, :end])
         outs.append(out)
     out = jnp.concatenate(outs, axis=1)
     return out.reshape(num_rows, chunk_len, num_q_heads, head_dim).astype(q.dtype)
