@@ -185,15 +185,21 @@ def _build_model(ctx: Ctx, name: str) -> ModelInfo:
         raise ValueError(f"--models: unknown model {name!r}; valid: shipped, random50m, tiny")
     shape = {"shipped": SHIPPED_SHAPE, "random50m": RANDOM50M_SHAPE, "tiny": TINY_SHAPE}[name]
     std = RANDOM_STD[name]
-    tok = _tokenizer_source(ctx)
-    key = f"{name}-v1-std{std}-vocab{len(tok)}"
-    path = os.path.join(os.path.abspath(ctx.out_dir), "models", key)
-    if not os.path.isfile(os.path.join(path, "model.safetensors")):
-        ctx.log(f"building random model {name} in {path}")
-        build_random_model(path, tok, shape=shape, std=std, seed=ctx.seed,
-                           max_pos=512 if name == "shipped" else 8192)
     label = {"shipped": "sdar-tiny stand-in (random weights: the shipped model was not found)",
              "random50m": "random Qwen3 ~50M", "tiny": "tiny random Qwen3"}[name]
+    return random_model(ctx, name, f"{name}-v1-std{std}", label, shape, std=std,
+                        max_pos=512 if name == "shipped" else 8192)
+
+
+def random_model(ctx: Ctx, name: str, key: str, label: str, shape: dict, **build_kwargs) -> ModelInfo:
+    """A random model with the project's tokenizer, built once under ``<out>/models/<key>-vocab<V>``."""
+    from dllm_jax.model.loader import load_tokenizer
+
+    tok = _tokenizer_source(ctx)
+    path = os.path.join(os.path.abspath(ctx.out_dir), "models", f"{key}-vocab{len(tok)}")
+    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        ctx.log(f"building random model {name} in {path}")
+        build_random_model(path, tok, shape=shape, seed=ctx.seed, **build_kwargs)
     return ModelInfo(name, path, label, True, _count_params(path), load_tokenizer(path))
 
 

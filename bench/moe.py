@@ -10,31 +10,22 @@ CPU's cost of exact capacity-free routing, not as the GPU's).
 
 from __future__ import annotations
 
-import os
-
 from bench import plots
-from bench.common import Ctx, ModelInfo, _count_params, _tokenizer_source, build_random_model, chat_prompts, table
+from bench.common import Ctx, ModelInfo, chat_prompts, random_model, table
 
 BASE = dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64)
 DENSE_WIDTH = 512
 
 
 def _models(ctx: Ctx) -> list[ModelInfo]:
-    tok = _tokenizer_source(ctx)
     shapes = {
         "dense-active": dict(BASE, intermediate_size=DENSE_WIDTH),
         "moe-8x2": dict(BASE, intermediate_size=0, num_experts=8, num_experts_per_tok=2,
                         moe_intermediate_size=DENSE_WIDTH // 2, moe_layers=tuple(range(BASE["num_layers"])),
                         norm_topk_prob=True, architecture="SDARMoeForCausalLM", model_type="sdar_moe"),
     }
-    out = []
-    for name, shape in shapes.items():
-        path = os.path.join(os.path.abspath(ctx.out_dir), "models", f"{name}-v1-vocab{len(tok)}")
-        if not os.path.isfile(os.path.join(path, "model.safetensors")):
-            ctx.log(f"building random model {name} in {path}")
-            build_random_model(path, tok, shape=shape, seed=ctx.seed, max_pos=512)
-        out.append(ModelInfo(name, path, f"random {name}", True, _count_params(path), tok))
-    return out
+    return [random_model(ctx, name, f"{name}-v1", f"random {name}", shape, max_pos=512)
+            for name, shape in shapes.items()]
 
 
 def moe(ctx: Ctx) -> dict:
