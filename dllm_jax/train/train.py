@@ -91,7 +91,7 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
     )
 
 
-def make_train_step(cfg: ModelConfig, tx: optax.GradientTransformation, block_size: int, end_weight: float = 1.0):
+def make_train_step(cfg: ModelConfig, tx: optax.GradientTransformation, block_size: int, end_weight: float):
     def step(params, opt_state, key, lr, tokens, prompt_len, answer_end):
         (loss, metrics), grads = jax.value_and_grad(objective.loss_fn, has_aux=True)(
             params, cfg, key, tokens, prompt_len, answer_end, block_size, end_weight)
