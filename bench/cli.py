@@ -134,7 +134,28 @@ def format_targets(targets: list[dict]) -> str:
     return table("targets (every figure, met or not)", ["figure", "value", "target", "result", "note"], rows)
 
 
+BENCH_NEEDS = ("torch", "matplotlib")  # the transformers baseline loop and the plots: the 'bench' extra
+
+
+def register(subparsers) -> None:
+    """Add ``bench`` to the ``dllm-jax`` command (entry point ``dllm_jax.commands``)."""
+    b = subparsers.add_parser("bench", help="benchmarks (tables, JSON and PNG plots; needs the 'bench' extra)")
+    add_arguments(b)
+    b.set_defaults(fn=main)
+
+
+def missing_dependencies() -> list[str]:
+    import importlib.util
+
+    return [m for m in BENCH_NEEDS if importlib.util.find_spec(m) is None]
+
+
 def main(args: argparse.Namespace) -> int:
+    missing = missing_dependencies()
+    if missing:
+        print(f"dllm-jax bench: needs {', '.join(missing)}: install the bench extra: pip install 'dllm-jax[bench]'",
+              file=sys.stderr)
+        return 2
     from bench.common import write_json
     from bench.scenarios import DEFAULT_SCENARIOS, SCENARIOS
 

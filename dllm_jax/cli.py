@@ -1,14 +1,24 @@
-"""``dllm-jax``: generate | serve | eval | bench | convert.
+"""``dllm-jax``: generate | eval | convert, plus the commands other packages register (serve, bench).
 
 Engine options are shared by every subcommand that builds an engine (:func:`add_engine_arguments`), so
 ``dllm-jax serve`` and ``dllm-jax generate`` accept the same flags as ``Engine(...)``.
+
+``serve`` and ``bench`` live in their own packages, which depend on this one and never the reverse: they
+register their subcommands through the ``dllm_jax.commands`` entry-point group (``pyproject.toml``), each entry a
+``register(subparsers)`` function.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
+
+COMMANDS_ENTRY_POINT = "dllm_jax.commands"
+
+
+BACKEND_CHOICES = ("auto", "pallas", "xla", "pallas_interpret")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,12 +37,17 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--context-length", type=int, default=None)
     g.add_argument("--max-prefill-tokens", type=int, default=None)
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
-    g.add_argument("--attention-backend", choices=("auto", "pallas", "xla"), default="auto")
-    g.add_argument("--confidence-backend", choices=("auto", "pallas", "xla"), default="auto")
+    g.add_argument("--attention-backend", choices=BACKEND_CHOICES, default="auto",
+                   help="auto (Pallas on GPU, XLA elsewhere), pallas (GPU only), xla, pallas_interpret (tests)")
+    g.add_argument("--confidence-backend", choices=BACKEND_CHOICES, default="auto")
     g.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1)
     g.add_argument("--profile-dir", default=None, help="write a JAX profiler (perfetto) trace of the first steps here")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--warmup", action="store_true", help="compile every shape bucket before serving")
+    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile every shape bucket at start (default: on for serve, off otherwise)")
+    g.add_argument("--compilation-cache", default=None, metavar="DIR",
+                   help="persistent compilation cache directory, or 'off' (default: $DLLM_JAX_COMPILATION_CACHE "
+                        "or ~/.cache/dllm-jax/xla)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -43,7 +58,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                   algorithm_config=config, schedule=args.schedule, enable_prefix_cache=not args.disable_prefix_cache,
                   dtype=args.dtype, attention_backend=args.attention_backend,
                   confidence_backend=args.confidence_backend, tensor_parallel_size=args.tensor_parallel_size,
-                  profile_dir=args.profile_dir, seed=args.seed, warmup=args.warmup)
+                  profile_dir=args.profile_dir, seed=args.seed, warmup=bool(args.warmup),
+                  compilation_cache=args.compilation_cache)
     for name in ("max_running_requests", "num_kv_pages", "context_length", "max_prefill_tokens"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
@@ -133,7 +149,10 @@ def cmd_eval(args) -> int:
 
 
 def main(argv=None) -> int:
+    from dllm_jax import __version__
+
     p = argparse.ArgumentParser(prog="dllm-jax", description="Serve block-diffusion language models with JAX.")
+    p.add_argument("--version", action="version", version=f"dllm-jax {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text (streams a single prompt)")
@@ -161,31 +180,42 @@ def main(argv=None) -> int:
     add_engine_arguments(e)
     e.set_defaults(fn=cmd_eval)
 
-    try:
-        from serve.cli import add_arguments as add_serve_arguments, main as serve_main
-    except ImportError:  # fastapi / uvicorn missing (e.g. a GPU box): every other command still works
-        add_serve_arguments = serve_main = None
-    if add_serve_arguments is not None:
-        s = sub.add_parser("serve", help="HTTP server (SGLang- and OpenAI-style endpoints)")
-        add_serve_arguments(s)
-        add_engine_arguments(s)
-        s.set_defaults(fn=serve_main)
-
-    try:
-        from bench.cli import add_arguments as add_bench_arguments, main as bench_main
-    except ImportError:
-        add_bench_arguments = bench_main = None
-    if add_bench_arguments is not None:
-        b = sub.add_parser("bench", help="benchmarks (tables, JSON and PNG plots)")
-        add_bench_arguments(b)
-        b.set_defaults(fn=bench_main)
+    for register in _plugin_commands():
+        register(sub)
 
     args = p.parse_args(argv)
+    configure_logging()
     try:
         return args.fn(args) or 0
     except ValueError as err:
         print(f"dllm-jax {args.command}: error: {err}", file=sys.stderr)
         return 2
+
+
+def configure_logging(level: str = "info") -> None:
+    """What a command-line user sees: our own one-line messages on stderr, JAX's and transformers' chatter
+    (backend probing, advisory banners) only when it is a warning."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("dllm-jax: %(message)s"))
+    ours = logging.getLogger("dllm_jax")
+    ours.handlers[:] = [handler]
+    ours.setLevel(level.upper())
+    ours.propagate = False
+    for name in ("jax", "jax._src.xla_bridge", "absl"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _plugin_commands():
+    """``register(subparsers)`` functions of the installed packages that add subcommands (serve, bench)."""
+    from importlib.metadata import entry_points
+
+    out = []
+    for ep in sorted(entry_points(group=COMMANDS_ENTRY_POINT), key=lambda e: e.name):
+        try:
+            out.append(ep.load())
+        except ImportError as e:  # a plugin whose own dependencies are missing: every other command still works
+            logging.getLogger("dllm_jax").debug("command %s unavailable: %s", ep.name, e)
+    return out
 
 
 if __name__ == "__main__":

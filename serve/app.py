@@ -526,7 +526,7 @@ def create_app(engine=None, settings: ServerSettings | None = None, *,
         app.state.server = server
         eng.start()
         server.ready = True
-        logger.info("serving %s (block %d, mask id %d, %s)", eng.model_path, eng.block_size, eng.mask_token_id,
+        logger.debug("serving %s (block %d, mask id %d, %s)", eng.model_path, eng.block_size, eng.mask_token_id,
                     eng.algorithm_name)
         try:
             yield

@@ -1,7 +1,8 @@
 """``dllm-jax serve`` / ``python -m serve``: the HTTP server.
 
-``dllm_jax.cli`` registers the subcommand with :func:`add_arguments` plus the shared engine flags
-(``dllm_jax.cli.add_engine_arguments``) and calls :func:`main`. ``python -m serve`` builds the same parser here.
+``dllm-jax serve`` comes from :func:`register` (the ``dllm_jax.commands`` entry point in pyproject.toml: ``serve``
+depends on ``dllm_jax``, never the reverse): :func:`add_arguments` plus the shared engine flags
+(``dllm_jax.cli.add_engine_arguments``), then :func:`main`. ``python -m serve`` builds the same parser here.
 ``uvicorn --factory serve:create_app`` reads the same flags from the ``DLLM_JAX_SERVE_ARGS`` environment variable.
 
 This module imports neither FastAPI nor uvicorn at import time (``dllm-jax generate`` imports it to build its
@@ -47,6 +48,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
 
 
+def register(subparsers) -> None:
+    """Add ``serve`` to the ``dllm-jax`` command (entry point ``dllm_jax.commands``)."""
+    from dllm_jax.cli import add_engine_arguments
+
+    s = subparsers.add_parser("serve", help="HTTP server (SGLang- and OpenAI-style endpoints)")
+    add_arguments(s)
+    add_engine_arguments(s)
+    s.set_defaults(fn=main)
+
+
 def settings_from_args(args: argparse.Namespace):
     from serve.app import ServerSettings
 
@@ -71,19 +82,49 @@ def main(args: argparse.Namespace) -> int:
     """Build the engine (errors in the flags or the model fail here, before binding), then serve until stopped."""
     import uvicorn
 
-    from dllm_jax.cli import build_engine
+    from dllm_jax.cli import build_engine, configure_logging
     from serve.app import create_app
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
+    log = logging.getLogger("dllm_jax.serve")
     settings = settings_from_args(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
-        logging.getLogger("dllm_jax.serve").warning("binding %s without an API key: anyone who can reach this "
-                                                    "address can use the server", args.host)
+        log.warning("binding %s without an API key: anyone who can reach this address can use the server", args.host)
+    if args.warmup is None:
+        args.warmup = True  # a server compiles its buckets before it answers, so no request waits on a compile
     engine = build_engine(args)
     app = create_app(engine, settings)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=not args.no_access_log,
-                timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=_uvicorn_level(args.log_level),
+                            access_log=not args.no_access_log, timeout_graceful_shutdown=5)
+    _serve(config, engine)
     return 0
+
+
+def _uvicorn_level(level: str) -> str:
+    """uvicorn's own start/stop lines repeat what the ready line says: shown from ``--log-level debug`` only."""
+    return level if level == "debug" else ("warning" if level == "info" else level)
+
+
+def _serve(config, engine) -> None:
+    """uvicorn's server, plus one "ready" line once the socket is bound and the app has started."""
+    import uvicorn
+
+    class ReadyServer(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets=sockets)
+            if self.started:
+                host = f"[{config.host}]" if ":" in config.host else config.host
+                info = engine.get_model_info()
+                pages = info["num_kv_pages"] - 1  # page 0 is the trash page of padding rows
+                logging.getLogger("dllm_jax.serve").info(
+                    "ready on http://%s:%d (%s, block %d, %s; %d KV pages = %d tokens)", host, config.port,
+                    os.path.basename(info["model_path"]), info["block_size"], info["algorithm"], pages,
+                    pages * info["block_size"])
+
+    try:
+        ReadyServer(config).run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, after a clean shutdown
+        pass
 
 
 def run(argv: list[str] | None = None) -> int:

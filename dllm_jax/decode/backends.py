@@ -24,11 +24,23 @@ from pallas_kernels.paged_block_attention import paged_block_attention_reference
 BACKENDS = ("auto", "pallas", "xla", "pallas_interpret")
 
 
+def backends_for_platform(platform: str | None = None) -> tuple[str, ...]:
+    """The backend names that can run on ``platform`` (default: JAX's default backend)."""
+    platform = platform or jax.default_backend()
+    return BACKENDS if platform == "gpu" else tuple(b for b in BACKENDS if b != "pallas")
+
+
 def resolve_backend(name: str, field: str) -> str:
+    """``auto`` -> ``pallas`` on a GPU, ``xla`` elsewhere. A backend the platform cannot run (the compiled Pallas
+    kernels are Triton, GPU only) is refused here, at construction, not deep inside the first step."""
     if name not in BACKENDS:
         raise ValueError(f"{field}: unknown backend {name!r}; valid: {', '.join(BACKENDS)}")
+    platform = jax.default_backend()
+    if name not in backends_for_platform(platform):
+        raise ValueError(f"{field}: {name!r} needs a GPU (the compiled Pallas kernels run on CUDA) but JAX runs on "
+                         f"{platform}; choose one of: {', '.join(backends_for_platform(platform))}")
     if name == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
+        return "pallas" if platform == "gpu" else "xla"
     return name
 
 

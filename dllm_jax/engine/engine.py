@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import logging
 import math
 import os
 import queue
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dllm_jax import compile_cache
 from dllm_jax.cache.pages import PageAllocator
 from dllm_jax.cache.radix import BlockRadixIndex
 from dllm_jax.decode.algorithms import make_algorithm
@@ -32,6 +34,8 @@ from dllm_jax.engine.request import Phase, Request
 from dllm_jax.engine.runner import ModelRunner
 from dllm_jax.engine.sampling import SamplingParams
 from dllm_jax.engine.scheduler import Scheduler
+
+log = logging.getLogger("dllm_jax")
 
 SCHEDULES = ("fdfo", "sync")
 DEFAULT_MAX_RUNNING_REQUESTS = 32
@@ -53,13 +57,17 @@ class Engine:
     and leave between steps; ``"sync"``: each round runs whole blocks on the device), ``enable_prefix_cache``,
     ``max_running_requests`` (rows per denoise step; default 32), ``num_kv_pages`` (page pool size; small
     values force retraction), ``dtype`` (``"auto"``: bfloat16 on GPU, float32 on CPU), ``attention_backend`` /
-    ``confidence_backend`` (``auto | pallas | xla``), ``tensor_parallel_size`` / ``expert_parallel_size`` (a
+    ``confidence_backend`` (``auto | pallas | xla | pallas_interpret``; ``pallas`` needs a GPU, refused otherwise),
+    ``tensor_parallel_size`` / ``expert_parallel_size`` (a
     device mesh; see :mod:`dllm_jax.sharding`), ``profile_dir``, ``seed``,
     ``context_length`` (default: the model's), ``max_prefill_tokens`` (tokens per prefill forward; default
     2048), ``mask_token_id`` (override), ``warmup`` (compile every shape bucket at start),
     ``fold_commit_forward`` (default True: the forward that only writes a resolved block's exact KV rides in
     the next block's first step instead of running alone; same tokens, one sequential forward fewer per block;
-    False reproduces SGLang's forward count).
+    False reproduces SGLang's forward count), ``compilation_cache`` (directory of the persistent compilation
+    cache, ``"off"`` to disable; default ``$DLLM_JAX_COMPILATION_CACHE`` or ``~/.cache/dllm-jax/xla``, see
+    :mod:`dllm_jax.compile_cache`), ``progress`` (progress bars while weights load and buckets compile; default:
+    when stderr is a terminal).
     """
 
     def __init__(self, model_path: str | None = None, *, block_size: int | None = None,
@@ -71,7 +79,8 @@ class Engine:
                  profile_steps: int = 64,
                  seed: int = 0, context_length: int | None = None, max_prefill_tokens: int = 2048,
                  mask_token_id: int | None = None, warmup: bool = False, kv_memory_fraction: float = 0.85,
-                 fold_commit_forward: bool = True, channel=None):
+                 fold_commit_forward: bool = True, channel=None, compilation_cache: str | None = None,
+                 progress: bool | None = None):
         from dllm_jax.model.loader import load_model
 
         if schedule not in SCHEDULES:
@@ -87,12 +96,20 @@ class Engine:
             block_size = algorithm_config["block_size"]
         if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
             raise ValueError(f"block_size: must be an integer >= 1, got {block_size!r}")
+        # Cheap checks first: a backend the platform cannot run fails before any weight is read.
+        self.attention_backend = resolve_backend(attention_backend, "attention_backend")
+        self.confidence_backend = resolve_backend(confidence_backend, "confidence_backend")
         on_gpu = jax.default_backend() == "gpu"
         if dtype == "auto":
             dtype = "bfloat16" if on_gpu else "float32"
+        self.progress = _show_progress(progress)
+        self.compilation_cache = compile_cache.enable(compilation_cache)
 
         self.model_path = os.path.abspath(model_path) if model_path is not None else default_model_path()
-        loaded = load_model(self.model_path, dtype=dtype, block_size=block_size, mask_token_id=mask_token_id)
+        log.info("loading %s on %s (%d device%s), %s", self.model_path, jax.default_backend(), jax.device_count(),
+                 "" if jax.device_count() == 1 else "s", dtype)
+        loaded = load_model(self.model_path, dtype=dtype, block_size=block_size, mask_token_id=mask_token_id,
+                            progress=self.progress)
         self.config = cfg = loaded.config
         self.tokenizer = loaded.tokenizer
         self.block_size = B = cfg.block_size
@@ -102,8 +119,6 @@ class Engine:
         self.algorithm_name = algorithm
         self.schedule = schedule
         self.dtype = dtype
-        self.attention_backend = resolve_backend(attention_backend, "attention_backend")
-        self.confidence_backend = resolve_backend(confidence_backend, "confidence_backend")
         self.context_length = int(context_length or cfg.max_position_embeddings)
         if self.context_length < B:
             raise ValueError(f"context_length: must be at least one block ({B}), got {self.context_length}")
@@ -211,9 +226,17 @@ class Engine:
         }
 
     def warmup(self, sampling: bool = False) -> int:
-        """Compile every shape bucket now, so no request waits on a compile later. Returns the count."""
-        with self._lock:
-            return self.runner.warmup(sampling=sampling)
+        """Compile every shape bucket now, so no request waits on a compile later (a progress bar shows it when
+        ``progress`` is on; cached executables load from the persistent compilation cache). Returns the count."""
+        from tqdm import tqdm
+
+        with self._lock, tqdm(total=self.runner.num_buckets(sampling=sampling), desc="compiling", unit="bucket",
+                              disable=not self.progress, leave=False) as bar:
+            start = time.perf_counter()
+            count = self.runner.warmup(sampling=sampling, on_bucket=lambda: bar.update(1))
+        log.info("compiled %d shape buckets in %.1f s (compilation cache: %s)", count, time.perf_counter() - start,
+                 self.compilation_cache or "off")
+        return count
 
     # ------------------------------------------------------------------------------------------
     # Requests
@@ -559,6 +582,15 @@ class ChunkSink:
 
 def _is_int(v) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _show_progress(progress: bool | None) -> bool:
+    """Progress bars (weights, warm-up): on when asked, or by default when stderr is a terminal."""
+    if progress is not None:
+        return bool(progress)
+    import sys
+
+    return sys.stderr.isatty()
 
 
 def _load_algorithm_config(config) -> dict:

@@ -91,6 +91,7 @@ class ModelRunner:
         # With folding, a denoise call may carry one refresh row per request besides its decode row.
         self.row_buckets = pow2_buckets(2 * max_rows if fold_commit else max_rows)
         self.width_buckets = pow2_buckets(max_pages_per_row)
+        self.max_pages_per_row = max_pages_per_row
         self.chunk_buckets = pow2_buckets(max_prefill_blocks)
         self.max_prefill_blocks = self.chunk_buckets[-1]
         self.prefill_row_buckets = pow2_buckets(min(max_rows, self.max_prefill_blocks))
@@ -239,26 +240,45 @@ class ModelRunner:
                             fresh_kv=np.asarray(result.fresh_kv[:n]))
 
     # -------------------------------------------------------------------------------------------
-    def warmup(self, *, sampling: bool = False) -> int:
+    def buckets(self, *, sampling: bool = False) -> list[tuple]:
+        """Every shape a call can take: ``("denoise", rows, width, sampling)`` and ``("prefill", rows, blocks,
+        width)``. A prefill chunk bucket whose smallest real chunk leaves room for only a short prefix skips the
+        page-table widths no request can reach (a chunk of C blocks after more than ``max_pages - C`` pages does
+        not fit the context)."""
+        out = [("denoise", R, W, False) for R, W in itertools.product(self.row_buckets, self.width_buckets)]
+        if sampling:
+            out += [("denoise", R, W, True) for R, W in itertools.product(self.row_buckets, self.width_buckets)]
+        smallest = 1
+        for C in self.chunk_buckets:
+            widest = pick_bucket(max(1, self.max_pages_per_row - smallest), self.width_buckets)
+            for R, W in itertools.product(self.prefill_row_buckets, self.width_buckets):
+                if (R == 1 or R * C <= self.max_prefill_blocks) and W <= widest:
+                    out.append(("prefill", R, C, W))
+            smallest = C + 1
+        return out
+
+    def num_buckets(self, *, sampling: bool = False) -> int:
+        return len(self.buckets(sampling=sampling))
+
+    def warmup(self, *, sampling: bool = False, on_bucket=None) -> int:
         """Compile every bucket now (padding rows only: writes land in the trash page). Returns the count."""
         B = self.block_size
         count = 0
-        for R, W in itertools.product(self.row_buckets, self.width_buckets):
-            rows = [DecodeRow(tokens=np.zeros(B, np.int32), immutable=np.ones(B, np.bool_),
-                              prefix_pages=[TRASH_PAGE] * W, write_page=TRASH_PAGE, steps_taken=0,
-                              temperature=0.0, top_k=-1, top_p=1.0, seed=0, rng_step=0, algo_state=None)] * R
-            self.denoise(rows)
+        for bucket in self.buckets(sampling=sampling):
+            if bucket[0] == "denoise":
+                _, R, W, sampled = bucket
+                row = DecodeRow(tokens=np.zeros(B, np.int32), immutable=np.ones(B, np.bool_),
+                                prefix_pages=[TRASH_PAGE] * W, write_page=TRASH_PAGE, steps_taken=0,
+                                temperature=1.0 if sampled else 0.0, top_k=-1, top_p=1.0, seed=0, rng_step=0,
+                                algo_state=None)
+                self.denoise([row] * R)
+            else:
+                _, R, C, W = bucket
+                self.prefill([PrefillRow(tokens=[0] * (C * B), prefix_pages=[TRASH_PAGE] * W,
+                                         write_pages=[TRASH_PAGE] * C)] * R)
             count += 1
-            if sampling:
-                rows = [dataclasses.replace(rows[0], temperature=1.0)] * R
-                self.denoise(rows)
-                count += 1
-        for R, C, W in itertools.product(self.prefill_row_buckets, self.chunk_buckets, self.width_buckets):
-            if R > 1 and R * C > self.max_prefill_blocks:
-                continue
-            self.prefill([PrefillRow(tokens=[0] * (C * B), prefix_pages=[TRASH_PAGE] * W,
-                                     write_pages=[TRASH_PAGE] * C)] * R)
-            count += 1
+            if on_bucket is not None:
+                on_bucket()
         jax.block_until_ready(self.kv_pages)
         return count
 

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from typing import Any, Callable
 
 import jax
@@ -353,14 +354,18 @@ def _safetensor_files(model_dir: str) -> list[str]:
     raise CheckpointError(f"{model_dir}: no model.safetensors, safetensors index or Orbax '{ORBAX_PARAMS_DIR}/' found")
 
 
-def load_safetensors_params(model_dir: str, cfg: ModelConfig, dtype) -> Params:
+def load_safetensors_params(model_dir: str, cfg: ModelConfig, dtype, *, progress: bool = False) -> Params:
     from safetensors import safe_open
+    from tqdm import tqdm
 
     shapes = param_shapes(cfg)
     dtypes = param_dtypes(cfg, dtype)
     params: Params = {"layers": [dict() for _ in range(cfg.num_layers)]}
     expert_rows: dict[tuple, dict[int, np.ndarray]] = {}  # stacked leaf path -> expert -> [in, out]
-    for path in _safetensor_files(model_dir):
+    files = _safetensor_files(model_dir)
+    bar = tqdm(total=sum(os.path.getsize(p) for p in files), desc="loading weights", unit="B", unit_scale=True,
+               disable=not progress, leave=False)
+    for path in files:
         try:
             f = safe_open(path, framework="np")
         except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
@@ -397,6 +402,8 @@ def load_safetensors_params(model_dir: str, cfg: ModelConfig, dtype) -> Params:
                     if part.path == ("lm_head",) and cfg.norm_head:
                         value = normalize_head(value)
                     _set(params, part.path, _to_jnp(value, _get(dtypes, part.path)))
+                bar.update(arr.nbytes)
+    bar.close()
     for leaf_path, rows in expert_rows.items():
         num = _get(shapes, leaf_path)[0]
         if len(rows) == num:
@@ -492,6 +499,8 @@ def load_tokenizer(model_dir: str):
     if not (os.path.isfile(os.path.join(model_dir, "tokenizer.json"))
             or os.path.isfile(os.path.join(model_dir, "tokenizer_config.json"))):
         return None
+    if "transformers" not in sys.modules:  # its "PyTorch was not found" banner means nothing to a JAX engine
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from transformers import AutoTokenizer
 
     try:
@@ -544,7 +553,8 @@ def resolve_config(model_dir: str, tokenizer, *, block_size=None, mask_token_id=
     return cfg.replace(mask_token_id=int(mask), block_size=int(block), eos_token_ids=tuple(eos))
 
 
-def load_model(model_dir: str, *, dtype="float32", block_size=None, mask_token_id=None) -> LoadedModel:
+def load_model(model_dir: str, *, dtype="float32", block_size=None, mask_token_id=None,
+               progress: bool = False) -> LoadedModel:
     model_dir = os.fspath(model_dir)
     if not os.path.isdir(model_dir):
         raise CheckpointError(f"{model_dir}: model directory not found")
@@ -560,7 +570,7 @@ def load_model(model_dir: str, *, dtype="float32", block_size=None, mask_token_i
     if is_orbax_dir(model_dir):
         params = load_orbax_params(model_dir, cfg, jdtype)
     else:
-        params = load_safetensors_params(model_dir, cfg, jdtype)
+        params = load_safetensors_params(model_dir, cfg, jdtype, progress=progress)
     return LoadedModel(config=cfg, params=params, tokenizer=tokenizer, model_path=os.path.abspath(model_dir))
 
 
