@@ -12,8 +12,8 @@ Written from the description of the loop SDAR's authors publish (``generate.py::
 
 It follows the engine's decode semantics exactly, so the two must produce the same tokens (greedy, float32):
 the mask id is never a candidate (its logit is excluded before the argmax and the softmax), the threshold test
-is strict (``p > threshold``), a step commits at least one position (the most confident, compared on a 2^-16
-grid with ties going to the lowest position), logits at position ``i`` predict token ``i`` (no shift), and a
+is strict (``p > threshold``), a step commits at least one position (the exact argmax of the confidence, equal
+floats going to the lowest position), logits at position ``i`` predict token ``i`` (no shift), and a
 block counts ``m + 1`` forwards for ``m`` unmasking steps (the last one being the storing forward).
 
 Masks are 4D float additive masks (0 = visible, the dtype's minimum = hidden): transformers applies a custom 4D
@@ -29,9 +29,6 @@ import os
 import time
 
 import numpy as np
-
-TIE_RESOLUTION = 2.0 ** -16
-
 
 class HFBlockDiffusion:
     """``HFBlockDiffusion(model_dir).generate(prompt_ids, max_new_tokens)`` -> dict (see :meth:`generate`)."""
@@ -118,7 +115,7 @@ class HFBlockDiffusion:
         conf = np.where(masked, p, -np.inf)
         commit = masked & (conf > np.float32(self.threshold))
         if not commit.any():
-            commit[int(np.argmax(np.floor(conf / TIE_RESOLUTION)))] = True
+            commit[int(np.argmax(conf))] = True  # the exact argmax, lowest position on equal floats
         return np.where(commit, x, block)
 
     # ------------------------------------------------------------------------------------------

@@ -1,6 +1,15 @@
-"""Test-wide settings: CPU only, four virtual CPU devices (for the sharding tests), float32 matmuls."""
+"""Test-wide settings: CPU only, four virtual CPU devices (for the sharding tests), float32 matmuls, and one
+persistent compilation cache for the whole run.
 
+The suite's time is almost all XLA compilation, so: every executable goes to a compilation cache shared by the
+run's processes (this one, the servers and CLIs it starts), created empty for the run unless
+``DLLM_JAX_COMPILATION_CACHE`` points somewhere already (a developer may keep one between runs; CI starts empty).
+"""
+
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
@@ -8,9 +17,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+if "DLLM_JAX_COMPILATION_CACHE" not in os.environ:
+    _cache_dir = tempfile.mkdtemp(prefix="dllm-test-xla-")
+    os.environ["DLLM_JAX_COMPILATION_CACHE"] = _cache_dir  # inherited by the subprocesses tests start
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+from dllm_jax import compile_cache  # noqa: E402
+
+compile_cache.enable()  # every jit of the run, not only the engines'
 
 
 # ----------------------------------------------------------------------------------------------

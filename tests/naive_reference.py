@@ -34,8 +34,6 @@ class NaiveDecoder:
             while True:
                 logits = self._fwd(self.params, jnp.asarray([seq[:offset] + block.tolist()]))[0, offset:]
                 forwards += 1
-                # Same figures as the engine's XLA path (an all-mask block has exactly tied positions, so the
-                # rounding of p decides which one commits first).
                 x, p, _ = confidence_stats_from_logits(logits, exclude_token_id=mask)
                 x, p = np.asarray(x), np.asarray(p)
                 masked = (block == mask) & ~immutable
@@ -44,7 +42,7 @@ class NaiveDecoder:
                 conf = np.where(masked, p, -np.inf)
                 commit = masked & (conf > threshold)
                 if not commit.any():
-                    commit[np.floor(conf / 2.0 ** -16).argmax()] = True  # ties on a 2^-16 grid, as the engine
+                    commit[conf.argmax()] = True  # exact argmax, lowest position on equal floats
                 block = np.where(commit, x, block)
             new = block[immutable.sum():].tolist()
             for t in new:

@@ -10,6 +10,14 @@ config. ``step`` works on a whole padded batch at once:
   mask id excluded from the vocabulary (the mask id is never a candidate, so every step makes progress);
 * ``state``: a dict of ``[R, ...]`` arrays (the algorithm's per-row state, carried across FDFO rounds).
 
+Decisions compare the float32 scores exactly, as SGLang's algorithms and SDAR's ``generate.py`` do: threshold
+tests are strict comparisons of the confidence (or entropy) with the threshold, the at-least-one pick is the
+exact argmax of the confidence, orderings (EBSampling, JointThresholdInDel's ranks) sort the exact values. Exact
+ties (equal floats) go to the lowest position. Nothing is rounded or bucketed to make runs agree: where the
+forward itself is not bitwise identical across batch shapes (XLA:CPU matmuls pick kernels by row count), two
+runs can decide differently only where the two best candidates of a decision lie within float rounding of each
+other (see README, "Exactness").
+
 The contract every algorithm keeps (SGLang's, see ``reference/sglang-dllm-engine.md`` section 1.6): a row is
 reported done only when the forward that produced ``cand`` already ran on the row's final tokens, so the KV that
 forward wrote is exact. A row whose positions are all immutable changes nothing and is done at once.
@@ -39,15 +47,23 @@ class Candidates:
     sampled: jax.Array | None = None  # [R] bool: rows whose tokens were drawn rather than argmax
 
 
-def greedy_candidates(logits, mask_id, *, with_logits: bool = True) -> Candidates:
+def entropy(logits, eps: float = 0.0):
+    """Entropy (nats) of softmax(``logits``) over the last axis: ``-sum p log p``, or with ``eps > 0`` the
+    reference's ``-sum p log(p + eps)`` (SGLang's EntropyThreshold uses 1e-8)."""
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    probs = jnp.exp(logits - lse)
+    if eps:
+        return -jnp.sum(probs * jnp.log(probs + eps), axis=-1)
+    return -jnp.sum(jnp.where(probs > 0, probs * (logits - lse), 0.0), axis=-1)
+
+
+def greedy_candidates(logits, mask_id, *, with_logits: bool = True, entropy_eps: float = 0.0) -> Candidates:
     """Candidates straight from ``[R, B, V]`` logits (mask id excluded): the XLA path's figures, and what the
     unit tests feed the algorithms."""
     logits = logits.astype(jnp.float32).at[..., mask_id].set(-jnp.inf)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    probs = jnp.exp(logits - lse[..., None])
-    entropy = -jnp.sum(jnp.where(probs > 0, probs * (logits - lse[..., None]), 0.0), axis=-1)
     return Candidates(tokens=jnp.argmax(logits, axis=-1).astype(jnp.int32),
-                      confidence=jnp.exp(jnp.max(logits, axis=-1) - lse), entropy=entropy,
+                      confidence=jnp.exp(jnp.max(logits, axis=-1) - lse), entropy=entropy(logits, entropy_eps),
                       logits=logits if with_logits else None)
 
 
@@ -61,18 +77,11 @@ def _first_true(mask):
     return jax.nn.one_hot(idx, mask.shape[-1], dtype=jnp.bool_) & jnp.any(mask, axis=-1, keepdims=True)
 
 
-TIE_RESOLUTION = 2.0 ** -16
-
-
 def _at_least_one(selected, masked, score):
-    """``selected``, plus the single highest-``score`` masked position in rows where nothing was selected.
-
-    Scores are compared on a 2^-16 grid, ties going to the lowest position: positions of an all-mask block with
-    no prefix have mathematically identical logits, and without the grid float rounding (which differs between
-    batch shapes) would pick the winner.
-    """
+    """``selected``, plus the single highest-``score`` masked position in rows where nothing was selected (the
+    exact argmax; equal scores go to the lowest position)."""
     selected = selected & masked
-    scored = jnp.where(masked, jnp.floor(score / TIE_RESOLUTION), NEG_INF)
+    scored = jnp.where(masked, score, NEG_INF)
     best = jax.nn.one_hot(jnp.argmax(scored, axis=-1), masked.shape[-1], dtype=jnp.bool_)
     need = ~jnp.any(selected, axis=-1, keepdims=True) & jnp.any(masked, axis=-1, keepdims=True)
     return (selected | (need & best)) & masked
@@ -85,6 +94,7 @@ class Algorithm:
     Config: ClassVar[type]
     needs_logits: ClassVar[bool] = False
     needs_entropy: ClassVar[bool] = False
+    entropy_eps: ClassVar[float] = 0.0  # the reference's epsilon inside log(p + eps), when it has one
     # True when "done" means "the input of this step had nothing left to decode": the step that fills the last
     # mask is then followed by a forward whose only use is writing the block's exact KV, and the engine can fold
     # that forward into the next block's first step (see StepSpec.fold_commit).
@@ -239,11 +249,16 @@ class EntropyThresholdConfig:
 
 
 class EntropyThreshold(Algorithm):
-    """Commit the lowest-entropy masked position and every other with entropy below ``threshold`` (nats)."""
+    """Commit the lowest-entropy masked position and every other with entropy below ``threshold`` (nats).
+
+    The entropy is the reference's ``-sum p log(p + 1e-8)`` (SGLang's EntropyThreshold, from d3LLM), whose
+    epsilon lowers it by about 1e-8 per vocabulary entry with p >> 1e-8: enough to move a decision near the
+    threshold on a large vocabulary, so it is kept exactly."""
 
     name = "EntropyThreshold"
     Config = EntropyThresholdConfig
     needs_entropy = True
+    entropy_eps = 1e-8
     foldable = True
 
     def step(self, ids, immutable, cand, state, mask_id):

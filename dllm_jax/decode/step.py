@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from dllm_jax.config import ModelConfig
 from dllm_jax.decode.algorithms import Algorithm, Candidates, State
+from dllm_jax.decode.algorithms import entropy as entropy_of
 from dllm_jax.decode.backends import attention_function, confidence_stats
 from dllm_jax.model.qwen3 import forward_chunk, lm_head_matrix
 
@@ -102,12 +103,6 @@ def _exclude_mask(logits, mask_id):
     return logits.at[..., mask_id].set(-jnp.inf)
 
 
-def _entropy(logits):
-    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-    probs = jnp.exp(logits - lse)
-    return -jnp.sum(jnp.where(probs > 0, probs * (logits - lse), 0.0), axis=-1)
-
-
 def _filter_top_k_top_p(scaled, top_k, top_p):
     """Set to -inf every logit outside the row's top-k / nucleus (per-row k and p; k <= 0 and p >= 1 are off)."""
     vocab = scaled.shape[-1]
@@ -150,7 +145,7 @@ def candidates(params, hidden, batch: DenoiseBatch, spec: StepSpec) -> Candidate
             return Candidates(tokens=tokens, confidence=confidence)
         logits = jnp.dot(hidden, lm_head_matrix(params), preferred_element_type=jnp.float32)
         logits = _exclude_mask(logits, spec.mask_id)
-        entropy = _entropy(logits) if algo.needs_entropy else None
+        entropy = entropy_of(logits, algo.entropy_eps) if algo.needs_entropy else None
         sampled_rows = batch.temperature > 0
         if spec.sampling:
             drawn, relative = _sample(logits, batch)

@@ -67,7 +67,9 @@ class Engine:
     False reproduces SGLang's forward count), ``compilation_cache`` (directory of the persistent compilation
     cache, ``"off"`` to disable; default ``$DLLM_JAX_COMPILATION_CACHE`` or ``~/.cache/dllm-jax/xla``, see
     :mod:`dllm_jax.compile_cache`), ``progress`` (progress bars while weights load and buckets compile; default:
-    when stderr is a terminal).
+    when stderr is a terminal), ``shape_buckets`` (replace the padded shapes of the device calls: a dict with
+    any of ``rows``, ``pages``, ``prefill_rows``, ``prefill_blocks``; see
+    :class:`dllm_jax.engine.runner.ShapeBuckets`).
     """
 
     def __init__(self, model_path: str | None = None, *, block_size: int | None = None,
@@ -80,7 +82,7 @@ class Engine:
                  seed: int = 0, context_length: int | None = None, max_prefill_tokens: int = 2048,
                  mask_token_id: int | None = None, warmup: bool = False, kv_memory_fraction: float = 0.85,
                  fold_commit_forward: bool = True, channel=None, compilation_cache: str | None = None,
-                 progress: bool | None = None):
+                 progress: bool | None = None, shape_buckets: dict | None = None):
         from dllm_jax.model.loader import load_model
 
         if schedule not in SCHEDULES:
@@ -157,7 +159,8 @@ class Engine:
             num_pages=num_kv_pages, max_rows=max_running_requests, max_pages_per_row=pages_per_row,
             max_prefill_blocks=max(1, min(max_prefill_tokens // B, pages_per_row)), loop=schedule == "sync",
             attention_backend=self.attention_backend, confidence_backend=self.confidence_backend,
-            kv_dtype=jnp.dtype(dtype), mesh=mesh, channel=channel, fold_commit=fold_commit_forward)
+            kv_dtype=jnp.dtype(dtype), mesh=mesh, channel=channel, fold_commit=fold_commit_forward,
+            shape_buckets=shape_buckets)
         self.allocator = PageAllocator(num_kv_pages)
         self.radix = BlockRadixIndex(B, self.allocator, enabled=enable_prefix_cache)
         self.scheduler = Scheduler(

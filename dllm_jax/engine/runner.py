@@ -10,7 +10,8 @@ Buckets (every dimension a power of two, so a handful of executables serve all t
   rows x C <= ``max_prefill_tokens / B``: one long prompt is a single row of many blocks, many short prompts are
   many rows of few blocks;
 * page-table width (prefix pages per row): 1, 2, 4, ... up to ``ceil(context_length / B)``.
-:meth:`ModelRunner.warmup` compiles all of them; afterwards nothing recompiles.
+:meth:`ModelRunner.warmup` compiles all of them; afterwards nothing recompiles. ``Engine(shape_buckets=...)``
+replaces any of these lists (fewer buckets: fewer compiles, more padding; see :class:`ShapeBuckets`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,64 @@ def pick_bucket(n: int, buckets: tuple[int, ...]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+@dataclasses.dataclass(frozen=True)
+class ShapeBuckets:
+    """The static shapes of the device calls. A call is padded up to the smallest bucket that holds it.
+
+    ``rows``: denoise rows per call (decode rows plus, with commit folding, refresh rows); ``pages``: page-table
+    widths (prefix pages per row); ``prefill_blocks``: blocks per prefill row (the largest is the prefill budget,
+    in blocks per call); ``prefill_rows``: rows per prefill call (a bucket of R > 1 rows serves chunks of C
+    blocks only if R x C fits the budget). Defaults: powers of two up to what the engine's limits need.
+    """
+
+    rows: tuple[int, ...]
+    pages: tuple[int, ...]
+    prefill_rows: tuple[int, ...]
+    prefill_blocks: tuple[int, ...]
+
+    @property
+    def prefill_budget(self) -> int:
+        return self.prefill_blocks[-1]
+
+    def prefill_rows_for(self, chunk: int) -> tuple[int, ...]:
+        return tuple(r for r in self.prefill_rows if r == 1 or r * chunk <= self.prefill_budget)
+
+    @classmethod
+    def build(cls, *, max_rows: int, max_pages_per_row: int, max_prefill_blocks: int, fold_commit: bool,
+              custom: dict | None = None) -> "ShapeBuckets":
+        """The default buckets, with any of the four lists replaced by ``custom`` (``Engine(shape_buckets=...)``);
+        a custom list whose largest bucket cannot hold what the engine's limits need is a ValueError."""
+        need_rows = 2 * max_rows if fold_commit else max_rows  # folding adds up to one refresh row per request
+        prefill_blocks = pow2_buckets(max_prefill_blocks)
+        default = {"rows": pow2_buckets(need_rows), "pages": pow2_buckets(max_pages_per_row),
+                   "prefill_blocks": prefill_blocks,
+                   "prefill_rows": pow2_buckets(min(max_rows, prefill_blocks[-1]))}
+        custom = dict(custom or {})
+        unknown = sorted(set(custom) - set(default))
+        if unknown:
+            raise ValueError(f"shape_buckets: unknown key(s) {unknown}; valid: {sorted(default)}")
+        values = {}
+        for key, base in default.items():
+            value = custom.get(key)
+            if value is None:
+                values[key] = base
+                continue
+            if (not isinstance(value, (list, tuple)) or not value
+                    or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)):
+                raise ValueError(f"shape_buckets.{key}: must be a non-empty list of integers >= 1, got {value!r}")
+            values[key] = tuple(sorted(set(value)))
+        needs = {"rows": (need_rows, "rows per denoise call" + (" (2 x max_running_requests with commit folding)"
+                                                                 if fold_commit else "")),
+                 "pages": (max_pages_per_row, "pages per row (context_length / block_size)")}
+        for key, (need, what) in needs.items():
+            if values[key][-1] < need:
+                raise ValueError(f"shape_buckets.{key}: the largest bucket {values[key][-1]} cannot hold {need} {what}")
+        if values["prefill_rows"][0] != 1:
+            raise ValueError(f"shape_buckets.prefill_rows: must include 1 (a single long prompt), got "
+                             f"{values['prefill_rows']}")
+        return cls(**values)
+
+
 @dataclasses.dataclass
 class PrefillRow:
     tokens: list[int]  # C_i complete blocks of real tokens
@@ -83,18 +142,20 @@ class ModelRunner:
     def __init__(self, params, cfg, *, block_size: int, mask_id: int, algorithm: Algorithm, num_pages: int,
                  max_rows: int, max_pages_per_row: int, max_prefill_blocks: int, loop: bool,
                  attention_backend: str = "xla", confidence_backend: str = "xla", kv_dtype=jnp.float32,
-                 mesh=None, channel=None, fold_commit: bool = False):
+                 mesh=None, channel=None, fold_commit: bool = False, shape_buckets: dict | None = None):
         self.params = params
         self.cfg = cfg
         self.block_size = block_size
         self.algorithm = algorithm
-        # With folding, a denoise call may carry one refresh row per request besides its decode row.
-        self.row_buckets = pow2_buckets(2 * max_rows if fold_commit else max_rows)
-        self.width_buckets = pow2_buckets(max_pages_per_row)
+        self.buckets_spec = buckets = ShapeBuckets.build(
+            max_rows=max_rows, max_pages_per_row=max_pages_per_row, max_prefill_blocks=max_prefill_blocks,
+            fold_commit=fold_commit, custom=shape_buckets)
+        self.row_buckets = buckets.rows
+        self.width_buckets = buckets.pages
         self.max_pages_per_row = max_pages_per_row
-        self.chunk_buckets = pow2_buckets(max_prefill_blocks)
-        self.max_prefill_blocks = self.chunk_buckets[-1]
-        self.prefill_row_buckets = pow2_buckets(min(max_rows, self.max_prefill_blocks))
+        self.chunk_buckets = buckets.prefill_blocks
+        self.max_prefill_blocks = buckets.prefill_budget
+        self.prefill_row_buckets = buckets.prefill_rows
         self.mesh = mesh
         self.channel = channel  # multi-host: how the leader's step inputs reach the followers
         self.kv_pages = init_kv_pages(cfg, num_pages, block_size, kv_dtype)
@@ -176,10 +237,12 @@ class ModelRunner:
     def prefill_shape(self, num_rows: int, max_blocks: int) -> tuple[int, int]:
         """(rows, blocks per row) buckets for a prefill call; rows x blocks stays within the budget."""
         C = pick_bucket(max_blocks, self.chunk_buckets)
-        R = pick_bucket(num_rows, self.prefill_row_buckets)
-        if R > 1 and R * C > self.max_prefill_blocks:
-            raise ValueError(f"prefill of {num_rows} rows x {max_blocks} blocks exceeds the budget")
+        R = pick_bucket(num_rows, self.buckets_spec.prefill_rows_for(C))
         return R, C
+
+    def max_prefill_rows(self, chunk: int) -> int:
+        """How many rows of ``chunk`` blocks one prefill call may carry."""
+        return self.buckets_spec.prefill_rows_for(pick_bucket(chunk, self.chunk_buckets))[-1]
 
     def prefill(self, rows: list[PrefillRow]) -> None:
         B = self.block_size
@@ -251,8 +314,8 @@ class ModelRunner:
         smallest = 1
         for C in self.chunk_buckets:
             widest = pick_bucket(max(1, self.max_pages_per_row - smallest), self.width_buckets)
-            for R, W in itertools.product(self.prefill_row_buckets, self.width_buckets):
-                if (R == 1 or R * C <= self.max_prefill_blocks) and W <= widest:
+            for R, W in itertools.product(self.buckets_spec.prefill_rows_for(C), self.width_buckets):
+                if W <= widest:
                     out.append(("prefill", R, C, W))
             smallest = C + 1
         return out

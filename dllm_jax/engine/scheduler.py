@@ -196,7 +196,7 @@ class Scheduler:
         remaining = {id(r): r.real_len // B - len(r.pages) for r in reqs}
         reqs = sorted(reqs, key=lambda r: -remaining[id(r)])  # similar chunk lengths share a call
         _, chunk = self.runner.prefill_shape(1, min(remaining[id(reqs[0])], budget))
-        max_rows = max(1, budget // chunk)
+        max_rows = self.runner.max_prefill_rows(chunk)
         allocated: list[tuple[Request, list[int]]] = []
         for req in reqs[:max_rows]:
             if req.phase is not Phase.PREFILL:
