@@ -246,7 +246,7 @@ class Engine:
     # ------------------------------------------------------------------------------------------
     def make_request(self, input_ids: list[int], sampling_params: dict | SamplingParams | None = None, *,
                      rid: str | None = None, on_event: Callable | None = None,
-                     field: str = "input_ids") -> Request:
+                     field: str = "input_ids", provisional: bool = False) -> Request:
         """Validate one request (ValueError naming the field on bad input) and build it; does not enqueue."""
         params = SamplingParams.from_dict(sampling_params, vocab_size=self.config.vocab_size)
         if not isinstance(input_ids, (list, tuple)) or not all(_is_int(t) for t in input_ids):
@@ -263,7 +263,7 @@ class Engine:
             raise ValueError("sampling_params.stop: stop strings need a tokenizer; this model has none")
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2 ** 32))
         return Request(rid=rid or uuid.uuid4().hex, prompt_ids=[int(t) for t in input_ids], params=params,
-                       seed=seed, on_event=on_event)
+                       seed=seed, on_event=on_event, provisional=provisional)
 
     def tokenize(self, text: str, field: str = "text") -> list[int]:
         if not isinstance(text, str):
@@ -423,10 +423,13 @@ class Engine:
     # ------------------------------------------------------------------------------------------
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, stream: bool = False, *,
-                 rid: str | list[str] | None = None):
+                 rid: str | list[str] | None = None, stream_provisional: bool = False):
         """Generate for one prompt (dict result), a batch (list of dicts) or, with ``stream=True``, one prompt
         as an iterator of committed-block chunks (``text`` / ``output_ids`` are the new part; the last chunk has
-        ``finished: True`` and the full ``meta_info``)."""
+        ``finished: True`` and the full ``meta_info``). With ``stream_provisional=True`` the stream also carries,
+        after every denoise step that leaves the block unfinished, a chunk with ``provisional: True`` and the
+        block's current state (:meth:`provisional_chunk`); those chunks add no ``text`` / ``output_ids``, and
+        the committed chunk that follows supersedes them."""
         ids_list, single = self._inputs(prompt, input_ids)
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(ids_list):
@@ -438,7 +441,7 @@ class Engine:
         if stream:
             if not single:
                 raise ValueError("stream: streaming takes a single prompt")
-            return self._stream(ids_list[0], params_list[0], rids[0])
+            return self._stream(ids_list[0], params_list[0], rids[0], stream_provisional)
         watchers = []
         reqs = []
         for i, (ids, params) in enumerate(zip(ids_list, params_list)):
@@ -475,9 +478,9 @@ class Engine:
         while not all(r.finished for r in reqs):
             self.step()
 
-    def _stream(self, ids, params, rid) -> Iterator[dict]:
+    def _stream(self, ids, params, rid, provisional: bool = False) -> Iterator[dict]:
         sink = ChunkSink(self)
-        req = self.make_request(ids, params, rid=rid, on_event=sink)
+        req = self.make_request(ids, params, rid=rid, on_event=sink, provisional=provisional)
         self.submit(req)
         try:
             while True:
@@ -557,6 +560,23 @@ class Engine:
         return {"text": new_text, "output_ids": new_ids, "finished": finished, "meta_info": self.meta_info(req)}
 
 
+    def provisional_chunk(self, req: Request) -> dict:
+        """The block being denoised, after a step that left it unfinished: ``tokens`` (the mask id where still
+        masked), ``masked`` (positions still to decode), ``immutable`` (prompt / committed positions),
+        ``pieces`` (each position's token text, None where masked; only with a tokenizer), ``offset`` (absolute
+        position of the block's first token), ``step`` (forwards so far in this block). Adds no text."""
+        tokens = [int(t) for t in req.block_tokens]
+        immutable = [bool(x) for x in req.block_immutable]
+        masked = [t == self.mask_token_id and not imm for t, imm in zip(tokens, immutable)]
+        pieces = None
+        if self.tokenizer is not None:
+            pieces = [None if m else self._decode([t], req.params.skip_special_tokens) for t, m in zip(tokens, masked)]
+        block = {"offset": req.prefix_len(self.block_size), "step": req.block_steps, "tokens": tokens,
+                 "masked": masked, "immutable": immutable, "pieces": pieces}
+        return {"text": "", "output_ids": [], "finished": False, "provisional": True, "block": block,
+                "meta_info": self.meta_info(req)}
+
+
 class _Watcher:
     """Per-request event sink for blocking generate(): wakes the waiter when the request finishes."""
 
@@ -578,6 +598,9 @@ class ChunkSink:
         self.put = put or self.chunks.put
 
     def __call__(self, req: Request, event: dict) -> None:
+        if event.get("provisional"):
+            self.put(self.engine.provisional_chunk(req))
+            return
         chunk = self.engine.chunk(req)
         if chunk is not None:
             self.put(chunk)

@@ -31,6 +31,7 @@ from dllm_jax.engine.request import Phase, Request
 from dllm_jax.engine.runner import DecodeRow, ModelRunner, PrefillRow
 
 
+PROVISIONAL = {"provisional": True}  # the event of a denoise step that left the block unfinished
 STAT_KEYS = ("requests", "prompt_tokens", "cached_tokens", "generation_tokens", "finished", "retractions",
              "prefill_forwards", "denoise_calls", "denoise_forwards", "refresh_rows")
 
@@ -280,6 +281,8 @@ class Scheduler:
                     self._commit_block(req, out.tokens[i], fresh_kv=bool(out.fresh_kv[i]))
                 else:
                     req.block_tokens, req.algo_state = out.tokens[i], out.states[i]
+                    if req.provisional:
+                        self._emit(req, PROVISIONAL)
 
     def _rng_step(self, req: Request) -> int:
         """Where this step sits in the request's generation (block index, step in block): folded into the sampling
@@ -367,9 +370,9 @@ class Scheduler:
         self.stats["finished"] += 1
         self._emit(req)
 
-    def _emit(self, req: Request) -> None:
+    def _emit(self, req: Request, event: dict | None = None) -> None:
         if req.on_event is not None:
-            req.on_event(req, {})
+            req.on_event(req, event or {})
 
     # ------------------------------------------------------------------------------------------
     # Checks (tests call this after every run)
