@@ -89,9 +89,18 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------
     def _admit(self) -> None:
         B = self.B
-        while self.waiting and len(self.running) < self.max_running:
-            req = self.waiting[0]
+        # A request whose first block another running request is prefilling right now waits for that prefill:
+        # admitted a round later, it matches those blocks from the index instead of encoding them again (n
+        # choices of one prompt, a shared system prompt). Only with the cache on, and only while that prefill runs.
+        being_prefilled = {tuple(r.real_ids[:B]) for r in self.running
+                           if r.phase is Phase.PREFILL} if self.radix.enabled else set()
+        i = 0
+        while i < len(self.waiting) and len(self.running) < self.max_running:
+            req = self.waiting[i]
             real = req.real_ids
+            if len(real) >= B and tuple(real[:B]) in being_prefilled:
+                i += 1
+                continue
             with jax.profiler.TraceAnnotation("radix.match"):
                 match = self.radix.match(real, len(real))
             self.radix.lock(match.node)
@@ -101,7 +110,7 @@ class Scheduler:
             if need > available and self.running:
                 self.radix.unlock(match.node)
                 break  # wait until running requests release pages
-            self.waiting.popleft()
+            del self.waiting[i]
             if need > self.allocator.capacity:
                 self.radix.unlock(match.node)
                 self._finish(req, {"type": "abort", "message": f"the request needs {need} KV pages but the pool "
@@ -117,6 +126,8 @@ class Scheduler:
             req.admitted_once = True
             self.running.append(req)
             self._classify(req)
+            if req.phase is Phase.PREFILL and self.radix.enabled:
+                being_prefilled.add(tuple(real[:B]))
 
     def _classify(self, req: Request) -> None:
         """Prefill iff the next block consists only of real tokens (whatever their values); after the match."""
