@@ -80,9 +80,24 @@ def build_tiny_model(path, *, block_size=4, seed=0, std=0.5, vocab=64, layers=2,
     return str(path)
 
 
+# Engine tests that are not about bucketing share one small, fixed set of shapes (and pool size): each spec
+# (algorithm, schedule, backend) then compiles one denoise and one prefill executable for the whole run, which
+# every test using it reuses. Tests about buckets, batch shapes or memory set their own.
+ENGINE_KW = dict(max_running_requests=8, context_length=64, num_kv_pages=96,
+                 shape_buckets=dict(rows=(16,), pages=(16,), prefill_rows=(1,), prefill_blocks=(4,)))
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def tiny_oracle(tiny_model):
+    """The float64 reference decoder of ``tiny_model`` (tests/oracle.py)."""
+    from oracle import Oracle
+
+    return Oracle(tiny_model)
 
 
 @pytest.fixture(scope="session")

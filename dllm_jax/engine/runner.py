@@ -101,6 +101,10 @@ class ShapeBuckets:
         for key, (need, what) in needs.items():
             if values[key][-1] < need:
                 raise ValueError(f"shape_buckets.{key}: the largest bucket {values[key][-1]} cannot hold {need} {what}")
+        if values["prefill_blocks"][-1] > prefill_blocks[-1]:
+            raise ValueError(f"shape_buckets.prefill_blocks: the largest bucket {values['prefill_blocks'][-1]} exceeds "
+                             f"the prefill budget of {prefill_blocks[-1]} blocks (max_prefill_tokens / block_size, "
+                             f"at most a row's pages)")
         if values["prefill_rows"][0] != 1:
             raise ValueError(f"shape_buckets.prefill_rows: must include 1 (a single long prompt), got "
                              f"{values['prefill_rows']}")
@@ -164,7 +168,10 @@ class ModelRunner:
 
             self.params = shard_params(params, cfg, mesh)
             self.kv_pages = shard_kv_pages(self.kv_pages, cfg, mesh)
-        base = StepSpec(model=cfg, block_size=block_size, mask_id=mask_id, algorithm=algorithm,
+        # The compiled steps see only what the device computes with: host-side fields (stop ids, the context
+        # limit) are blanked, so models that differ only there share executables.
+        device_cfg = cfg.replace(eos_token_ids=(), max_position_embeddings=0)
+        base = StepSpec(model=device_cfg, block_size=block_size, mask_id=mask_id, algorithm=algorithm,
                         attention_backend=attention_backend, confidence_backend=confidence_backend, loop=loop,
                         mesh=mesh, fold_commit=fold_commit)
         self.greedy_spec = base
