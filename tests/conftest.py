@@ -16,6 +16,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")  # also in the subprocesses: same programs, cache hits
 
 if "DLLM_JAX_COMPILATION_CACHE" not in os.environ:
     _cache_dir = tempfile.mkdtemp(prefix="dllm-test-xla-")
@@ -85,6 +86,11 @@ def build_tiny_model(path, *, block_size=4, seed=0, std=0.5, vocab=64, layers=2,
 # every test using it reuses. Tests about buckets, batch shapes or memory set their own.
 ENGINE_KW = dict(max_running_requests=8, context_length=64, num_kv_pages=96,
                  shape_buckets=dict(rows=(16,), pages=(16,), prefill_rows=(1,), prefill_blocks=(4,)))
+
+
+# The shipped model (B = 32) in tests that are not about buckets: answers of up to 160 tokens fit 8 pages.
+SHIPPED_KW = dict(max_running_requests=8, context_length=256, num_kv_pages=72,
+                  shape_buckets=dict(rows=(16,), pages=(8,), prefill_rows=(1,), prefill_blocks=(2,)))
 
 
 @pytest.fixture(scope="session")

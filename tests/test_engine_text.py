@@ -5,6 +5,8 @@ import pytest
 
 from dllm_jax.engine.sampling import SamplingParams
 
+from conftest import ENGINE_KW, SHIPPED_KW
+
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
@@ -30,7 +32,7 @@ RUN = {"max_new_tokens": 24, "ignore_eos": True}
 
 
 def test_prompt_text_and_chat_template(chat_model, make_engine):
-    engine = make_engine(chat_model)
+    engine = make_engine(chat_model, **ENGINE_KW)
     text = engine.apply_chat_template("Copy the list: a b c")
     assert "Copy the list: a b c" in text and text != "Copy the list: a b c"
     by_text = engine.generate(prompt=text, sampling_params=RUN)
@@ -41,7 +43,8 @@ def test_prompt_text_and_chat_template(chat_model, make_engine):
 
 def test_stop_string_across_a_block_boundary(make_engine):
     # the shipped model at B = 4 (it was trained on 4 too): its text does not repeat itself, a random one may
-    engine = make_engine(None, block_size=4)
+    engine = make_engine(None, block_size=4, **dict(SHIPPED_KW, context_length=128,
+                                                    shape_buckets=dict(SHIPPED_KW["shape_buckets"], pages=(32,))))
     prompt = engine.apply_chat_template("Count up 15 steps from 40.")
     full = engine.generate(prompt=prompt, sampling_params=RUN)
     ids = full["output_ids"]
@@ -62,7 +65,8 @@ def test_stop_string_across_a_block_boundary(make_engine):
 
 
 def test_streamed_text_equals_final_text(chat_model, make_engine):
-    engine = make_engine(chat_model)
+    engine = make_engine(chat_model, **dict(ENGINE_KW, context_length=128,
+                                             shape_buckets=dict(ENGINE_KW["shape_buckets"], pages=(32,))))
     prompt = engine.apply_chat_template("Reverse the list: 4 8 15 16 23 42")
     final = engine.generate(prompt=prompt, sampling_params=RUN)
     chunks = list(engine.generate(prompt=prompt, sampling_params=RUN, stream=True))
@@ -71,7 +75,7 @@ def test_streamed_text_equals_final_text(chat_model, make_engine):
 
 
 def test_stop_strings_need_a_tokenizer(tiny_model, make_engine):
-    engine = make_engine(tiny_model)
+    engine = make_engine(tiny_model, **ENGINE_KW)
     with pytest.raises(ValueError, match="stop"):
         engine.generate(input_ids=[2, 3], sampling_params={"stop": "x"})
     with pytest.raises(ValueError, match="sampling_params.stop"):

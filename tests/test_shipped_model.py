@@ -13,13 +13,15 @@ from dllm_jax.assets import DEFAULT_MODEL_PATH
 from dllm_jax.evaluate import evaluate
 from dllm_jax.train import tasks
 
+from conftest import SHIPPED_KW
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(DEFAULT_MODEL_PATH, "model.safetensors")),
                                 reason="shipped model not exported yet")
 
 
 def test_shipped_model_is_the_default(make_engine):
-    engine = make_engine(None, max_running_requests=8)
+    engine = make_engine(None, **SHIPPED_KW)
     info = engine.get_model_info()
     assert info["model_path"] == os.path.abspath(DEFAULT_MODEL_PATH)
     assert info["block_size"] == 32 and info["mask_token_id"] == engine.tokenizer.mask_token_id
@@ -27,7 +29,7 @@ def test_shipped_model_is_the_default(make_engine):
 
 def test_heldout_accuracy_and_tokens_per_forward(make_engine):
     """A smaller version of the issue's bar (>= 95% exact match, >= 2.5 tokens per forward at B = 32, 0.9)."""
-    engine = make_engine(None, max_running_requests=16, algorithm_config={"threshold": 0.9})
+    engine = make_engine(None, algorithm_config={"threshold": 0.9}, **SHIPPED_KW)
 
     def generate_fn(prompts, block_size, threshold):
         outs = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 160})
@@ -74,7 +76,7 @@ def test_tensor_parallel_answers_equal_single_device(make_engine):
     examples = tasks.heldout_set(8)[4:8]
     outs = {}
     for tp in (1, 2, 4):
-        engine = make_engine(None, tensor_parallel_size=tp, max_running_requests=4)
+        engine = make_engine(None, tensor_parallel_size=tp, **SHIPPED_KW)
         prompts = [engine.apply_chat_template(ex.prompt) for ex in examples]
         outs[tp] = engine.generate(prompts, sampling_params={"max_new_tokens": 160})
     for tp in (2, 4):
