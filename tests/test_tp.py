@@ -6,7 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import build_tiny_model
+from conftest import ENGINE_KW, build_tiny_model
+from oracle import Oracle
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [3, 4], [11, 12, 13, 14, 15, 16, 17, 18], [63, 2, 63, 3]]
 PARAMS = {"max_new_tokens": 10, "ignore_eos": True}
@@ -39,13 +40,15 @@ def _odd_model(path):
 @pytest.mark.parametrize("kind,schedule", [
     ("even", "fdfo"), ("odd", "sync"),
     pytest.param("even", "sync", marks=pytest.mark.slow), pytest.param("odd", "fdfo", marks=pytest.mark.slow)])
-def test_tp_outputs_equal_single_device(models, make_engine, kind, schedule):
+def test_tp_decides_as_the_reference(models, make_engine, kind, schedule):
+    """TP 2 / 4 decide as the float64 reference (TP 1 is every other engine test), so a sharded run may differ
+    from a single-device one only after a near-tie (a sharded reduction rounds differently)."""
     assert len(jax.devices()) >= 4, "conftest sets four CPU devices"
-    outs = {}
-    for tp in (1, 2, 4):
-        engine = make_engine(models[kind], tensor_parallel_size=tp, schedule=schedule, max_running_requests=4)
-        outs[tp] = [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)]
-    assert outs[2] == outs[1] and outs[4] == outs[1]
+    oracle = Oracle(models[kind])
+    for tp in (2, 4):
+        engine = make_engine(models[kind], tensor_parallel_size=tp, schedule=schedule, **ENGINE_KW)
+        outs = [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)]
+        oracle.verify_all(PROMPTS, outs, PARAMS["max_new_tokens"])
 
 
 def _per_device_bytes(x):
@@ -53,7 +56,7 @@ def _per_device_bytes(x):
 
 
 def test_parameters_and_kv_pages_are_sharded(models, make_engine):
-    engine = make_engine(models["even"], tensor_parallel_size=2, max_running_requests=2)
+    engine = make_engine(models["even"], tensor_parallel_size=2, **ENGINE_KW)
     params = engine.runner.params
     layer = params["layers"][0]
     for name in ("q", "k", "v", "gate", "up"):
@@ -70,7 +73,7 @@ def test_parameters_and_kv_pages_are_sharded(models, make_engine):
 
 
 def test_replicated_when_heads_do_not_divide(models, make_engine):
-    engine = make_engine(models["odd"], tensor_parallel_size=4, max_running_requests=2)
+    engine = make_engine(models["odd"], tensor_parallel_size=4, **ENGINE_KW)
     layer = engine.runner.params["layers"][0]
     assert layer["k"].sharding.spec == jax.sharding.PartitionSpec(None, None)  # 3 KV heads over 4 devices
     assert layer["gate"].sharding.spec[1] == "tp"  # the MLP still splits (72 / 4)
@@ -80,9 +83,9 @@ def test_full_logits_never_materialised(models, make_engine):
     """Compile a TP=4 denoise step and check its HLO holds no [positions, full vocab] buffer."""
     from dllm_jax.engine.runner import DecodeRow
 
-    engine = make_engine(models["even"], tensor_parallel_size=4, max_running_requests=2)
+    engine = make_engine(models["even"], tensor_parallel_size=4, **ENGINE_KW)
     runner = engine.runner
-    rows = 2
+    rows = runner.row_buckets[0]
     captured = {}
     B = runner.block_size
     import dllm_jax.engine.runner as runner_mod
