@@ -22,28 +22,31 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], [3, 4], [], [M, 2, M, 3], list(range(2, 30)), [7
 
 
 @pytest.mark.parametrize("ignore_eos,fold", [(True, False), (False, True)])
-def test_transformers_loop_equals_engine(tiny_model, make_engine, ignore_eos, fold):
-    """Same tokens; without the engine's folded commit forward, the same forward count too (prefill + one per
-    denoise step, the storing forward included)."""
-    import inspect
-
+def test_transformers_loop_and_engine_decide_alike(tiny_model, make_engine, tiny_oracle, ignore_eos, fold):
+    """Both stacks decide as the float64 reference (so they differ only after a near-tie, e.g. the exactly tied
+    positions of an all-mask first block); where their tokens agree, without the engine's folded commit forward
+    the forward count agrees too (prefill + one per denoise step, the storing forward included)."""
     from bench.hf_baseline import HFBlockDiffusion
-    from dllm_jax import Engine
+    from conftest import ENGINE_KW
 
     hf = HFBlockDiffusion(tiny_model, threshold=0.9, num_threads=1)
-    kwargs = {}
-    if "fold_commit_forward" in inspect.signature(Engine.__init__).parameters:
-        kwargs["fold_commit_forward"] = fold
     engine = make_engine(tiny_model, algorithm_config={"threshold": 0.9}, enable_prefix_cache=False,
-                         max_running_requests=1, **kwargs)
+                         fold_commit_forward=fold, **dict(ENGINE_KW, max_running_requests=1, shape_buckets=dict(
+                             ENGINE_KW["shape_buckets"], prefill_blocks=(16,))))  # a prompt in one forward, as HF
     params = {"max_new_tokens": 13, "ignore_eos": ignore_eos}
+    stop = () if ignore_eos else (1,)  # the tiny model's EOS id
     outs = engine.generate(input_ids=[list(p) for p in PROMPTS], sampling_params=params)
+    agree = 0
     for prompt, out in zip(PROMPTS, outs):
         ref = hf.generate(prompt, 13, ignore_eos=ignore_eos)
-        assert ref["output_ids"] == out["output_ids"], prompt
-        if not kwargs.get("fold_commit_forward", False):
-            assert ref["forward_passes"] == out["meta_info"]["forward_passes"], prompt
+        for ids in (ref["output_ids"], out["output_ids"]):
+            tiny_oracle.verify(prompt, ids, 13, config={"threshold": 0.9}, stop_ids=stop)
+        if ref["output_ids"] == out["output_ids"]:
+            agree += 1
+            if not fold:
+                assert ref["forward_passes"] == out["meta_info"]["forward_passes"], prompt
         assert M not in ref["output_ids"]
+    assert agree >= len(PROMPTS) - 1  # at most the all-mask prompt, whose first pick is an exact tie
 
 
 def test_cli_writes_tables_json_plots_and_summary(tmp_path, capsys):
