@@ -13,6 +13,10 @@ from dllm_jax.model.qwen3 import block_causal_mask, forward_full, init_params
 from dllm_jax.train import objective
 
 MASK = 3
+# Jitted once per shape (eagerly every jnp op would compile on its own: hundreds of small compiles).
+_two_copy_forward = jax.jit(objective.two_copy_forward, static_argnums=(1, 4))
+_forward_full = jax.jit(forward_full, static_argnums=1, static_argnames="return_hidden")
+_loss_fn = jax.jit(objective.loss_fn, static_argnums=(1, 6), static_argnames="end_weight")
 TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=8, tie_word_embeddings=True, mask_token_id=MASK, block_size=4)
 
@@ -38,10 +42,10 @@ def test_two_copy_forward_equals_forward_full_under_the_mask(b):
     s = 24
     clean = jnp.asarray(rng.integers(4, 64, (2, s)), jnp.int32)
     noisy = jnp.where(jnp.asarray(rng.random((2, s)) < 0.5), MASK, clean)
-    ours = objective.two_copy_forward(params, TINY, noisy, clean, b)
+    ours = _two_copy_forward(params, TINY, noisy, clean, b)
     pos = jnp.broadcast_to(jnp.concatenate([jnp.arange(s), jnp.arange(s)])[None], (2, 2 * s))
     mask = jnp.broadcast_to(objective.two_copy_mask(s, b)[None], (2, 2 * s, 2 * s))
-    ref = forward_full(params, TINY, jnp.concatenate([noisy, clean], 1), pos, mask, return_hidden=True)[:, :s]
+    ref = _forward_full(params, TINY, jnp.concatenate([noisy, clean], 1), pos, mask, return_hidden=True)[:, :s]
     np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), atol=2e-5)
 
 
@@ -71,25 +75,25 @@ def test_loss_is_on_masked_positions_only():
     prompt_len = jnp.full((n,), 6, jnp.int32)
     answer_end = jnp.full((n,), 14, jnp.int32)  # scored: 6..15
     key = jax.random.key(5)
-    loss, metrics = objective.loss_fn(params, TINY, key, tokens, prompt_len, answer_end, b)
+    loss, metrics = _loss_fn(params, TINY, key, tokens, prompt_len, answer_end, b)
     # by hand: the weighted CE of the masked positions, over the number of scored positions
     bs = jnp.full((n,), b, jnp.int32)
     noisy, masked, t, scored = objective.add_noise(key, tokens, prompt_len, answer_end, bs, MASK)
-    hidden = objective.two_copy_forward(params, TINY, noisy, tokens, b)
+    hidden = _two_copy_forward(params, TINY, noisy, tokens, b)
     logp = jax.nn.log_softmax(hidden @ params["embed"].T, axis=-1)
     ce = -jnp.take_along_axis(logp, tokens[..., None], -1)[..., 0]
     expected = jnp.sum(jnp.where(masked, ce / t, 0)) / scored.sum()
     np.testing.assert_allclose(float(loss), float(expected), rtol=1e-5)
     # tokens past the answer's last block are neither scored nor seen by a scored position
     changed = tokens.at[:, 16:].set(9)
-    loss2, _ = objective.loss_fn(params, TINY, key, changed, prompt_len, answer_end, b)
+    loss2, _ = _loss_fn(params, TINY, key, changed, prompt_len, answer_end, b)
     np.testing.assert_allclose(float(loss2), float(loss), rtol=1e-6)
     # a masked position's own target matters; changing the prompt (context) matters too
-    loss3, _ = objective.loss_fn(params, TINY, key, tokens.at[:, 0].set(9), prompt_len, answer_end, b)
+    loss3, _ = _loss_fn(params, TINY, key, tokens.at[:, 0].set(9), prompt_len, answer_end, b)
     assert abs(float(loss3) - float(loss)) > 1e-7
     # end_weight scales exactly the positions from <|im_end|> (answer_end - 1) on
     w = 7.0
-    loss4, _ = objective.loss_fn(params, TINY, key, tokens, prompt_len, answer_end, b, end_weight=w)
+    loss4, _ = _loss_fn(params, TINY, key, tokens, prompt_len, answer_end, b, end_weight=w)
     at_end = jnp.arange(s)[None, :] >= 13
     expected4 = jnp.sum(jnp.where(masked, ce / t * jnp.where(at_end, w, 1.0), 0)) / scored.sum()
     np.testing.assert_allclose(float(loss4), float(expected4), rtol=1e-5)
