@@ -59,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "tokens unless --long-tokens is given)")
     p.add_argument("--schedule-requests", type=int, default=None, help="requests of the schedules scenario (32)")
     p.add_argument("--schedule-models", type=_names, default=None, help="models of the schedules scenario (shipped)")
+    p.add_argument("--efficiency-concurrency", type=_ints, default=None,
+                   help="levels of the efficiency scenario (1,16,64)")
+    p.add_argument("--efficiency-models", type=_names, default=None,
+                   help="models of the efficiency scenario (shipped,random50m; --quick: shipped)")
     p.add_argument("--hf-threads", type=int, default=None,
                    help="torch threads for the transformers loop (default: the faster of 1 and all, measured)")
     p.add_argument("--profile-dir", default=None,
@@ -77,7 +81,8 @@ def ctx_from_args(args: argparse.Namespace):
         "prefix_tokens": args.prefix_tokens, "prefix_requests": args.prefix_requests,
         "prefix_models": args.prefix_models, "long_tokens": args.long_tokens, "long_models": args.long_models,
         "schedule_requests": args.schedule_requests, "schedule_models": args.schedule_models,
-        "hf_threads": args.hf_threads,
+        "hf_threads": args.hf_threads, "efficiency_concurrency": args.efficiency_concurrency,
+        "efficiency_models": args.efficiency_models,
     }
     command = "python -m bench" + (" --quick" if args.quick else "")
     return Ctx(out_dir=args.out, quick=args.quick, seed=args.seed, threshold=args.threshold,

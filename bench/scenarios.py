@@ -567,6 +567,12 @@ def moe(ctx: Ctx) -> dict:
     return run(ctx)
 
 
+def efficiency(ctx: Ctx) -> dict:
+    from bench.efficiency import efficiency as run
+
+    return run(ctx)
+
+
 SCENARIOS = {
     "baseline": baseline,
     "concurrency": concurrency,
@@ -578,5 +584,7 @@ SCENARIOS = {
     "kernels": kernels,
     "radix": radix,
     "moe": moe,
+    "efficiency": efficiency,
 }
-DEFAULT_SCENARIOS = ("baseline", "concurrency", "prefix", "long", "schedules", "engine", "moe", "roofline")
+DEFAULT_SCENARIOS = ("baseline", "concurrency", "prefix", "long", "schedules", "engine", "efficiency", "moe",
+                     "roofline")

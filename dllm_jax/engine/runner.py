@@ -112,6 +112,22 @@ class ShapeBuckets:
 
 
 @dataclasses.dataclass
+class CallRecord:
+    """One device call: its bucket (``rows`` x ``width`` pages, ``blocks`` per row) and its real content."""
+
+    kind: str  # "denoise" | "prefill"
+    rows: int
+    width: int
+    blocks: int
+    real_rows: int
+    real_blocks: int  # blocks of real tokens encoded (prefill) or rows (denoise)
+    real_prefix_pages: int  # summed over the real rows
+    refresh_rows: int
+    sampled: bool
+    iterations: int = 1  # forwards the call ran (the synchronous schedule loops on the device)
+
+
+@dataclasses.dataclass
 class PrefillRow:
     tokens: list[int]  # C_i complete blocks of real tokens
     prefix_pages: list[int]  # every page before the chunk
@@ -131,6 +147,7 @@ class DecodeRow:
     seed: int
     rng_step: int
     algo_state: dict[str, np.ndarray] | None
+    refresh: bool = False  # a folded block re-encoded for its exact KV (nothing to decode)
 
 
 @dataclasses.dataclass
@@ -179,6 +196,9 @@ class ModelRunner:
         self.prefill_spec = dataclasses.replace(base, algorithm=None)
         self._fresh_state = {k: np.asarray(v)[0] for k, v in algorithm.init_state(1, block_size).items()}
         self.device_calls = 0
+        # When a list (the efficiency bench sets one), every call appends a CallRecord: its bucket and how much
+        # of it was real work, so a run can be set against the bare cost of its buckets.
+        self.call_log: list | None = None
 
     # -------------------------------------------------------------------------------------------
     # Device calls. With several processes (multi-host), the leader sends every call's padded inputs to the
@@ -264,6 +284,9 @@ class ModelRunner:
             table[i, : len(r.prefix_pages)] = r.prefix_pages
             prefix[i] = len(r.prefix_pages) * B
             write[i, : len(r.write_pages)] = r.write_pages
+        if self.call_log is not None:
+            self.call_log.append(CallRecord("prefill", R, W, C, len(rows), sum(len(r.write_pages) for r in rows),
+                                            sum(len(r.prefix_pages) for r in rows), 0, False))
         self._execute(KIND_PREFILL, {"tokens": tokens, "page_table": table, "prefix_len": prefix, "write": write})
 
     def denoise(self, rows: list[DecodeRow]) -> DecodeOutput:
@@ -304,6 +327,10 @@ class ModelRunner:
                   **{STATE_PREFIX + k: v for k, v in state.items()}}
         result = self._execute(KIND_DENOISE, arrays)
         result = jax.device_get(result)  # the one host sync of this step
+        if self.call_log is not None:
+            sampled = bool(np.any((temperature > 0) & (top_k != 1)))
+            self.call_log.append(CallRecord("denoise", R, W, 1, n, n, sum(len(r.prefix_pages) for r in rows),
+                                            sum(r.refresh for r in rows), sampled, int(result.steps.max())))
         states = [{k: v[i] for k, v in result.state.items()} for i in range(n)]
         return DecodeOutput(tokens=np.asarray(result.tokens[:n]), done=np.asarray(result.done[:n]),
                             steps=np.asarray(result.steps[:n]), states=states,

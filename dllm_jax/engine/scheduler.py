@@ -270,7 +270,7 @@ class Scheduler:
         B = self.B
         rows = [DecodeRow(tokens=r.stale_tokens, immutable=np.ones((B,), np.bool_), prefix_pages=r.pages[:-1],
                           write_page=r.pages[-1], steps_taken=0, temperature=0.0, top_k=-1, top_p=1.0, seed=0,
-                          rng_step=0, algo_state=None) for r in refresh]
+                          rng_step=0, algo_state=None, refresh=True) for r in refresh]
         rows += [DecodeRow(tokens=r.block_tokens, immutable=r.block_immutable, prefix_pages=r.pages,
                            write_page=r.block_page, steps_taken=r.block_steps, temperature=r.params.temperature,
                            top_k=r.params.top_k, top_p=r.params.top_p, seed=r.seed,

@@ -1,0 +1,235 @@
+"""``python -m bench efficiency``: every engine run set against the bare forwards it needed.
+
+For each run (model x schedule x concurrency) the engine's runner logs every device call's bucket (rows x
+page-table width, blocks per row) and how much of it was real work. The *floor* of the run is the sum, over its
+calls, of the bare time of that call's bucket: a jitted forward (K/V write included) plus the confidence
+selection, nothing else, measured separately in the same process on the same shapes (a synchronous call counts
+once per forward it looped). ``wall / floor`` is what the engine adds on top of the forwards it chose to run:
+host work between calls, the algorithm and sampling on the device, the host sync. How good the choice of forwards
+was is reported beside it: padding rows and padded page-table width (as fractions of rows and of the FLOPs of the
+calls), refresh rows, prefill calls, tokens per forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+
+import numpy as np
+
+from bench import plots
+from bench.common import (Ctx, ModelInfo, chat_prompts, device_timer, hard_prompts, kv_pages_for, make_engine,
+                          table)
+
+TARGET_CONCURRENT = 1.15  # wall <= 1.15 x floor at 16 and 64 concurrent requests
+TARGET_SINGLE = 1.3  # and <= 1.3 x at one request
+
+
+# ----------------------------------------------------------------------------------------------
+# The bare forward of a bucket
+# ----------------------------------------------------------------------------------------------
+
+class BareForward:
+    """Times the bare device work of a bucket on one engine's model: forward (+ K/V write) and, for a denoise
+    bucket, the confidence selection. Memoised per bucket."""
+
+    def __init__(self, engine):
+        import jax
+        import jax.numpy as jnp
+
+        from dllm_jax.decode.backends import confidence_stats
+        from dllm_jax.decode.step import _model_forward
+
+        runner = engine.runner
+        self.runner = runner
+        spec = runner.greedy_spec
+        self.B = runner.block_size
+        # A pool of the engine's shape, not the engine's own buffers (donated here, so theirs stay untouched).
+        self.pool = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), runner.kv_pages)
+        if runner.mesh is not None:
+            self.pool = jax.tree.map(lambda x, ref: jax.device_put(x, ref.sharding), self.pool, runner.kv_pages)
+
+        @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("select",))
+        def bare(params, kv, tokens, table, prefix, write, *, select):
+            hidden, kv = _model_forward(params, kv, tokens, table, prefix, write, spec)
+            if not select:
+                return kv, hidden[:, :1, :1]
+            rows, length, dim = hidden.shape
+            arg, p, _ = confidence_stats(spec.confidence_backend, params, hidden.reshape(rows * length, dim),
+                                         exclude_token_id=spec.mask_id, mesh=spec.mesh, cfg=spec.model)
+            return kv, (arg, p)
+
+        self._bare = bare
+        self._memo: dict[tuple, float] = {}
+
+    def seconds(self, kind: str, rows: int, width: int, blocks: int, *, min_time: float = 0.25,
+                max_reps: int = 50) -> float:
+        key = (kind, rows, width, blocks)
+        if key not in self._memo:
+            self._memo[key] = self._measure(kind, rows, width, blocks, min_time, max_reps)
+        return self._memo[key]
+
+    def _measure(self, kind, rows, width, blocks, min_time, max_reps):
+        import jax
+
+        B = self.B
+        pages = self.pool[0][0].shape[1]
+        rng = np.random.default_rng(0)
+        tokens = rng.integers(0, self.runner.cfg.vocab_size, (rows, blocks * B)).astype(np.int32)
+        table = (np.arange(rows * width).reshape(rows, width) % max(pages - 1, 1) + 1).astype(np.int32)
+        prefix = np.full((rows,), width * B, np.int32)
+        write = np.zeros((rows, blocks), np.int32)  # the trash page
+        select = kind == "denoise"
+        self.pool, out = self._bare(self.runner.params, self.pool, tokens, table, prefix, write, select=select)
+        jax.block_until_ready(out)  # compile + first run
+        times = []
+        start = time.perf_counter()
+        while len(times) < max_reps and (len(times) < 5 or time.perf_counter() - start < min_time):
+            t0 = time.perf_counter()
+            self.pool, out = self._bare(self.runner.params, self.pool, tokens, table, prefix, write, select=select)
+            jax.block_until_ready(out)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------------------------
+# One run
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Workload:
+    prompts: list[list[int]]
+    params: dict
+    concurrency: int
+
+
+def _flops_fraction(calls, cfg, B) -> tuple[float, float]:
+    """(padding share of the calls' FLOPs, page-table padding share of their attention FLOPs): per token the
+    linear layers cost 2 x params, attention 4 x layers x q_size x (keys seen); the bucket pays for every row and
+    every page of its width, the real work only for real rows and their real prefix."""
+    linear = 2 * (cfg.num_layers * (cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
+                                    + 3 * cfg.hidden_size * max(cfg.intermediate_size, cfg.moe_intermediate_size))
+                  + cfg.hidden_size * cfg.vocab_size)
+    attn_per_key = 4 * cfg.num_layers * cfg.q_size
+    paid = real = paid_attn = real_attn = 0.0
+    for c in calls:
+        tokens = c.blocks * B
+        own = tokens  # keys of the chunk itself
+        paid_c = c.rows * tokens * (linear + attn_per_key * (c.width * B + own))
+        real_tokens = c.real_blocks * B if c.kind == "prefill" else c.real_rows * B
+        real_c = real_tokens * linear + attn_per_key * tokens * (c.real_prefix_pages * B + c.real_rows * own)
+        paid += c.iterations * paid_c
+        real += c.iterations * real_c
+        paid_attn += c.iterations * c.rows * tokens * attn_per_key * c.width * B
+        real_attn += c.iterations * tokens * attn_per_key * c.real_prefix_pages * B
+    return (1 - real / paid if paid else 0.0), (1 - real_attn / paid_attn if paid_attn else 0.0)
+
+
+def run_once(engine, work: Workload, bare: BareForward) -> dict:
+    """A warm-up pass (compiles every shape the measured pass uses), then the measured pass."""
+    from bench.common import run_requests
+
+    run_requests(engine, work.prompts, work.params, work.concurrency)
+    engine.flush_cache()
+    engine.runner.call_log = calls = []
+    with device_timer() as dlog:
+        r = run_requests(engine, work.prompts, work.params, work.concurrency)
+    engine.runner.call_log = None
+    B = engine.block_size
+    floor = sum(c.iterations * bare.seconds(c.kind, c.rows, c.width, c.blocks) for c in calls)
+    device = sum(t2 - t0 for _, t0, _, t2 in dlog)
+    prefill_calls = [c for c in calls if c.kind == "prefill"]
+    denoise_calls = [c for c in calls if c.kind == "denoise"]
+    prefill_floor = sum(bare.seconds(c.kind, c.rows, c.width, c.blocks) for c in prefill_calls)
+    rows_paid = sum(c.iterations * c.rows for c in denoise_calls)
+    rows_real = sum(c.iterations * c.real_rows for c in denoise_calls)
+    refresh = sum(c.refresh_rows for c in denoise_calls)
+    width_paid = sum(c.iterations * c.rows * c.width for c in denoise_calls)
+    width_real = sum(c.iterations * c.real_prefix_pages for c in denoise_calls)
+    flops_pad, attn_pad = _flops_fraction(calls, engine.runner.cfg, B)
+    wall = r["wall_s"]
+    return {
+        "requests": r["requests"], "concurrency": work.concurrency, "wall_s": wall, "floor_s": floor,
+        "wall_over_floor": wall / floor if floor else float("nan"),
+        "host_s": wall - device, "host_frac": (wall - device) / wall,
+        "device_s": device, "device_over_floor_s": device - floor,
+        "prefill_calls": len(prefill_calls), "prefill_floor_s": prefill_floor,
+        "denoise_calls": len(denoise_calls), "forwards": sum(c.iterations for c in calls),
+        "padding_rows_frac": 1 - rows_real / rows_paid if rows_paid else 0.0,
+        "padding_width_frac": 1 - width_real / width_paid if width_paid else 0.0,
+        "padding_flops_frac": flops_pad, "padding_attention_flops_frac": attn_pad,
+        "refresh_rows": refresh, "refresh_rows_frac": refresh / rows_real if rows_real else 0.0,
+        "output_tokens": r["output_tokens"], "tokens_per_s": r["tokens_per_s"],
+        "tokens_per_forward": r["output_tokens"] / max(r["forward_passes"], 1),
+        "tokens_per_call": r["output_tokens"] / max(len(calls), 1),
+        "buckets": sorted({(c.kind, c.rows, c.width, c.blocks) for c in calls}),
+        "recompiles": r["recompiles"],
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# The scenario
+# ----------------------------------------------------------------------------------------------
+
+def _workload(ctx: Ctx, m: ModelInfo, concurrency: int) -> Workload:
+    n = max(2 * concurrency, 8) if not ctx.quick else max(concurrency, 4)
+    if m.random:
+        prompts = hard_prompts(m.tokenizer, n, ctx.seed)
+        max_new = ctx.overrides.get("max_new_tokens") or (32 if m.name == "random50m" else 64)
+    else:
+        prompts = chat_prompts(m.tokenizer, n)
+        max_new = ctx.overrides.get("max_new_tokens") or 128
+    return Workload(prompts, {"max_new_tokens": max_new, "temperature": 0.0, **m.gen_params}, concurrency)
+
+
+def efficiency(ctx: Ctx) -> dict:
+    from bench.scenarios import _models, finish
+
+    levels = ctx.overrides.get("efficiency_concurrency") or ([1, 16] if ctx.quick else [1, 16, 64])
+    schedules = ("fdfo", "sync")
+    out, rows = {"models": {}}, []
+    for name in _models(ctx, "efficiency_models", ["shipped", "random50m"], ["shipped"]):
+        m = ctx.model(name)
+        res = out["models"][name] = {"model": m.label, "runs": {}}
+        for schedule in schedules:
+            for level in levels:
+                work = _workload(ctx, m, level)
+                longest = max(len(p) for p in work.prompts) + work.params["max_new_tokens"] + 64
+                engine = make_engine(m, ctx, schedule=schedule, max_running_requests=level,
+                                     context_length=int(-(-longest // 32) * 32),
+                                     num_kv_pages=kv_pages_for(work.prompts, work.params["max_new_tokens"], level))
+                try:
+                    bare = BareForward(engine)
+                    r = run_once(engine, work, bare)
+                finally:
+                    engine.shutdown()
+                res["runs"][f"{schedule}/{level}"] = r
+                rows.append([name, schedule, level, r["wall_s"], r["floor_s"], r["wall_over_floor"],
+                             100 * r["host_frac"], r["device_over_floor_s"], r["prefill_calls"],
+                             100 * r["padding_rows_frac"], 100 * r["padding_flops_frac"],
+                             100 * r["padding_width_frac"], 100 * r["refresh_rows_frac"], r["tokens_per_forward"],
+                             r["tokens_per_s"]])
+                ctx.log(f"efficiency {name} {schedule} x{level}: wall {r['wall_s']:.2f} s, floor {r['floor_s']:.2f} s "
+                        f"({r['wall_over_floor']:.2f}x)")
+                target = TARGET_SINGLE if level == 1 else TARGET_CONCURRENT
+                ctx.target(f"efficiency [{name}, {schedule}, {level} concurrent]: wall / floor",
+                           r["wall_over_floor"], target, higher_is_better=False,
+                           note=f"host {100 * r['host_frac']:.0f}%, padding rows {100 * r['padding_rows_frac']:.0f}%",
+                           command=f"{ctx.command} efficiency")
+    text = table("efficiency: wall vs the bare forwards of the same calls (floor); where the rest goes",
+                 ["model", "schedule", "requests", "wall s", "floor s", "wall/floor", "host %", "algo+sync s",
+                  "prefill calls", "pad rows %", "pad FLOPs %", "pad width %", "refresh %", "tok/fwd", "tok/s"],
+                 rows)
+
+    def plot(path):
+        panels = []
+        for name, res in out["models"].items():
+            labels = list(res["runs"])
+            panels.append((f"{name}: wall / floor", labels, [res["runs"][k]["wall_over_floor"] for k in labels]))
+            panels.append((f"{name}: padding FLOPs %", labels,
+                           [100 * res["runs"][k]["padding_flops_frac"] for k in labels]))
+        return plots.bars(path, "efficiency", panels)
+
+    return finish(ctx, "efficiency", out, text, plot)
