@@ -45,6 +45,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="compile every shape bucket at start (default: on for serve, off otherwise)")
+    g.add_argument("--shape-buckets", default=None, metavar="JSON",
+                   help="padded shapes of the device calls, a JSON object with any of rows, pages, prefill_rows, "
+                        "prefill_blocks (lists of sizes), e.g. '{\"rows\": [8], \"pages\": [16]}' (default: powers of "
+                        "two up to what the limits need)")
     g.add_argument("--compilation-cache", default=None, metavar="DIR",
                    help="persistent compilation cache directory, or 'off' (default: $DLLM_JAX_COMPILATION_CACHE "
                         "or ~/.cache/dllm-jax/xla)")
@@ -60,6 +64,15 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                   confidence_backend=args.confidence_backend, tensor_parallel_size=args.tensor_parallel_size,
                   profile_dir=args.profile_dir, seed=args.seed, warmup=bool(args.warmup),
                   compilation_cache=args.compilation_cache)
+    buckets = getattr(args, "shape_buckets", None)
+    if buckets is not None:
+        try:
+            buckets = json.loads(buckets)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--shape-buckets: not valid JSON: {e}") from None
+        if not isinstance(buckets, dict):
+            raise ValueError("--shape-buckets: must be a JSON object, e.g. '{\"rows\": [8]}'")
+        kwargs["shape_buckets"] = buckets
     for name in ("max_running_requests", "num_kv_pages", "context_length", "max_prefill_tokens"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)

@@ -1,4 +1,4 @@
-"""HTTP serving for dllm-jax: a FastAPI app with SGLang- and OpenAI-style endpoints (see :mod:`serve.app`).
+"""HTTP serving for dllm-jax: a FastAPI app with SGLang- and OpenAI-style endpoints (see :mod:`serve.app` for the layout).
 
 ``from serve import create_app``; ``uvicorn --factory serve:create_app`` (flags in ``$DLLM_JAX_SERVE_ARGS``);
 ``python -m serve ...`` or ``dllm-jax serve ...``. Importing ``serve`` itself is cheap: FastAPI is imported when
@@ -12,5 +12,5 @@ def __getattr__(name):
     if name in ("create_app", "ServerSettings"):
         import importlib
 
-        return getattr(importlib.import_module("serve.app"), name)
+        return getattr(importlib.import_module("serve.app" if name == "create_app" else "serve.settings"), name)
     raise AttributeError(f"module 'serve' has no attribute {name!r}")

@@ -59,7 +59,7 @@ def register(subparsers) -> None:
 
 
 def settings_from_args(args: argparse.Namespace):
-    from serve.app import ServerSettings
+    from serve.settings import ServerSettings
 
     return ServerSettings(
         served_model_name=args.served_model_name, api_key=args.api_key or os.environ.get(ENV_API_KEY) or None,

@@ -27,6 +27,10 @@ MAX_RUNNING = 4  # few shape buckets: compiling them is most of this module's ti
 MAX_QUEUED = 28
 CONTEXT = 512
 PREFILL_TOKENS = 64
+# one bucket per shape (rows: 2 x MAX_RUNNING with commit folding; pages: CONTEXT / 32): each device program
+# compiles once, shared by the server and the in-process reference engine through the compilation cache
+SHAPE_BUCKETS = {"rows": [2 * MAX_RUNNING], "pages": [CONTEXT // 32], "prefill_rows": [1],
+                 "prefill_blocks": [PREFILL_TOKENS // 32]}
 SHIPPED = all(os.path.isfile(os.path.join(DEFAULT_MODEL_PATH, f)) for f in ("config.json", "model.safetensors"))
 NEEDS_SHIPPED = pytest.mark.skipif(not SHIPPED, reason=f"the shipped model is not at {DEFAULT_MODEL_PATH} yet "
                                                         "(answers of a random model are not checked)")
@@ -75,7 +79,7 @@ def server(model_dir, tmp_path_factory):
                TOKENIZERS_PARALLELISM="false", PYTHONPATH=REPO)
     cmd = [sys.executable, "-m", "serve", "--model-path", model_dir, "--host", "127.0.0.1", "--port", str(port),
            "--max-running-requests", str(MAX_RUNNING), "--context-length", str(CONTEXT),
-           "--max-prefill-tokens", str(PREFILL_TOKENS),
+           "--max-prefill-tokens", str(PREFILL_TOKENS), "--shape-buckets", json.dumps(SHAPE_BUCKETS), "--no-warmup",
            "--max-queued-requests", str(MAX_QUEUED), "--api-key", API_KEY, "--log-level", "warning",
            "--no-access-log"]
     log = open(log_path, "w")
@@ -124,7 +128,7 @@ def engine(model_dir):
     import dllm_jax
 
     eng = dllm_jax.Engine(model_dir, max_running_requests=MAX_RUNNING, context_length=CONTEXT,
-                          max_prefill_tokens=PREFILL_TOKENS)
+                          max_prefill_tokens=PREFILL_TOKENS, shape_buckets=SHAPE_BUCKETS)
     yield eng
     eng.shutdown()
 
@@ -358,6 +362,169 @@ def test_heldout_answers_over_http(client, examples):
 
 
 # ----------------------------------------------------------------------------------------------
+# n > 1: choices share the prompt's prefill; each has its own seed
+# ----------------------------------------------------------------------------------------------
+def test_n_choices_share_the_prefill(client, engine, examples):
+    text = chat_text(engine, examples[3].prompt, SYSTEM)
+    prompt_len = len(engine.tokenize(text))
+    full = (prompt_len // 32) * 32
+    assert full >= 32
+    sampled = {"max_new_tokens": 24, "temperature": 0.9, "top_p": 0.95, "seed": 11}
+    refs = [engine.generate(prompt=text, sampling_params={**sampled, "seed": 11 + j}) for j in range(3)]
+    assert len({tuple(r["output_ids"]) for r in refs}) > 1  # the seeds make a difference
+
+    # one prompt alone: how many prefill forwards it takes
+    flush(client)
+    l0 = load(client)
+    one = client.post("/generate", json={"text": text, "sampling_params": sampled}).json()
+    l1 = load(client)
+    assert one["output_ids"] == refs[0]["output_ids"]
+    single_prefills = l1["prefill_forwards"] - l0["prefill_forwards"]
+    assert single_prefills >= 1
+
+    # SGLang's n: a list of n answers, prompt-major, choice j seeded seed + j; the prompt is prefilled once
+    flush(client)
+    l0 = load(client)
+    got = client.post("/generate", json={"text": text, "sampling_params": {**sampled, "n": 3}})
+    assert got.status_code == 200, got.text
+    got = got.json()
+    l1 = load(client)
+    assert [g["output_ids"] for g in got] == [r["output_ids"] for r in refs]
+    assert sorted(g["meta_info"]["cached_tokens"] for g in got) == [0, full, full]
+    assert l1["prefill_forwards"] - l0["prefill_forwards"] == single_prefills
+    assert l1["cached_tokens"] - l0["cached_tokens"] == 2 * full
+
+    # OpenAI chat, n = 3: choices 0..2 with seeds 11, 12, 13; usage counts the prompt once and every choice
+    body = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": examples[3].prompt}],
+            "max_tokens": 24, "temperature": 0.9, "top_p": 0.95, "seed": 11, "n": 3}
+    flush(client)
+    l0 = load(client)
+    chat = client.post("/v1/chat/completions", json=body).json()
+    l1 = load(client)
+    assert [c["index"] for c in chat["choices"]] == [0, 1, 2]
+    assert [c["message"]["content"] for c in chat["choices"]] == [r["text"] for r in refs]
+    usage = chat["usage"]
+    assert usage["prompt_tokens"] == prompt_len
+    assert usage["completion_tokens"] == sum(len(r["output_ids"]) for r in refs)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0  # the prompt was not cached before
+    assert l1["prefill_forwards"] - l0["prefill_forwards"] == single_prefills
+    assert l1["cached_tokens"] - l0["cached_tokens"] == 2 * full
+
+    # streamed: every choice's frames carry its index and add up to its answer
+    events = stream_post(client, "/v1/chat/completions", {**body, "stream": True,
+                                                          "stream_options": {"include_usage": True}})
+    texts = ["", "", ""]
+    for e in events[:-2]:
+        for c in e["choices"]:
+            texts[c["index"]] += c["delta"].get("content", "")
+    assert texts == [r["text"] for r in refs]
+    assert events[-2]["usage"]["completion_tokens"] == usage["completion_tokens"]
+    assert events[-2]["usage"]["prompt_tokens"] == prompt_len
+
+    # completions: two prompts x n = 2, prompt-major; greedy choices of a prompt agree; no seed: distinct draws
+    texts2 = [chat_text(engine, ex.prompt) for ex in examples[4:6]]
+    comp = client.post("/v1/completions", json={"prompt": texts2, "n": 2, "max_tokens": 16,
+                                                "temperature": 0}).json()
+    greedy = engine.generate(prompt=texts2, sampling_params={"max_new_tokens": 16, **GREEDY})
+    assert [c["index"] for c in comp["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in comp["choices"]] == [greedy[0]["text"]] * 2 + [greedy[1]["text"]] * 2
+    assert comp["usage"]["prompt_tokens"] == sum(g["meta_info"]["prompt_tokens"] for g in greedy)
+    unseeded = client.post("/generate", json={"text": text, "sampling_params": {
+        "max_new_tokens": 24, "temperature": 1.0, "n": 4}}).json()
+    assert len({tuple(u["output_ids"]) for u in unseeded}) > 1
+    wait_idle(client)
+
+
+# ----------------------------------------------------------------------------------------------
+# Provisional streaming: the block being denoised, between committed chunks
+# ----------------------------------------------------------------------------------------------
+def _provisional_prompt(engine, examples):
+    """A held-out prompt whose greedy answer has a block that takes several denoise steps (the shipped model
+    often commits a whole block in one forward)."""
+    for ex in examples:
+        text = chat_text(engine, ex.prompt)
+        chunks = list(engine.generate(prompt=text, sampling_params={"max_new_tokens": MAX_NEW, **GREEDY},
+                                      stream=True, stream_provisional=True))
+        if any(c.get("provisional") and any(c["block"]["masked"]) for c in chunks):
+            return ex, text
+    pytest.fail("no held-out prompt needs more than one step per block")
+
+
+def test_provisional_stream(client, engine, examples):
+    ex, text = _provisional_prompt(engine, examples)
+    params = {"max_new_tokens": MAX_NEW, **GREEDY}
+    ref = engine.generate(prompt=text, sampling_params=params)
+    prompt_len = ref["meta_info"]["prompt_tokens"]
+
+    # off by default: exactly the frames of a plain stream, no extension keys
+    plain = stream_post(client, "/generate", {"text": text, "sampling_params": params, "stream": True})
+    assert all("provisional" not in e["meta_info"] and "block" not in e["meta_info"] for e in plain[:-1])
+
+    events = stream_post(client, "/generate", {"text": text, "sampling_params": params, "stream": True,
+                                               "stream_provisional": True})
+    assert events[-1] == "[DONE]"
+    frames = events[:-1]
+    prov = [e for e in frames if e["meta_info"]["provisional"]]
+    committed = [e for e in frames if not e["meta_info"]["provisional"]]
+    assert prov and any(any(e["meta_info"]["block"]["masked"]) for e in prov)
+    # committed frames are the plain stream's, frame for frame (meta_info's timings aside)
+    strip = lambda e: (e["text"], e["output_ids"], e["meta_info"]["finish_reason"])  # noqa: E731
+    assert [strip(e) for e in committed] == [strip(e) for e in plain[:-1]]
+    assert committed[-1]["output_ids"] == ref["output_ids"] and committed[-1]["text"] == ref["text"]
+    last = {"text": "", "output_ids": []}
+    for e in frames:
+        if not e["meta_info"]["provisional"]:
+            last = e
+            continue
+        # a provisional frame repeats the committed state (never retracts it) and shows the block
+        assert (e["text"], e["output_ids"]) == (last["text"], last["output_ids"])
+        assert e["meta_info"]["finish_reason"] is None
+        b = e["meta_info"]["block"]
+        assert set(b) == {"offset", "step", "tokens", "masked", "immutable", "pieces"}
+        assert len(b["tokens"]) == len(b["masked"]) == len(b["immutable"]) == len(b["pieces"]) == 32
+        assert b["offset"] % 32 == 0 and b["step"] >= 1
+        assert b["offset"] == (prompt_len + len(e["output_ids"])) // 32 * 32
+        for pos, (tok, masked, imm, piece) in enumerate(zip(b["tokens"], b["masked"], b["immutable"], b["pieces"])):
+            out_pos = b["offset"] + pos - prompt_len
+            if masked:
+                assert tok == engine.mask_token_id and piece is None
+            elif not imm and 0 <= out_pos < len(ref["output_ids"]):
+                # LowConfidence never revises a decided token: it is the one that commits
+                assert tok == ref["output_ids"][out_pos], (pos, b)
+            if imm:
+                assert out_pos < len(e["output_ids"])  # prompt or committed positions only
+
+    # OpenAI chat: the block under delta.dllm_block with empty content; committed text adds up, sent once
+    body = {"messages": [{"role": "user", "content": ex.prompt}], "max_tokens": MAX_NEW, "temperature": 0,
+            "stream": True, "stream_provisional": True}
+    events = stream_post(client, "/v1/chat/completions", body)
+    assert events[-1] == "[DONE]" and all(e["object"] == "chat.completion.chunk" for e in events[:-1])
+    deltas = [e["choices"][0]["delta"] for e in events[1:-1]]
+    prov = [d for d in deltas if d.get("dllm_block", {}).get("provisional")]
+    assert prov and all(d["content"] == "" for d in prov)
+    assert any(any(d["dllm_block"]["masked"]) for d in prov)
+    assert all({"step", "tokens", "masked", "pieces", "forward_passes", "completion_tokens"} <= set(d["dllm_block"])
+               for d in prov)
+    assert "".join(d.get("content", "") for d in deltas) == ref["text"]
+    final = events[-2]["choices"][0]
+    assert final["finish_reason"] in ("stop", "length")
+    assert final["delta"]["dllm_block"] == {"provisional": False, "completion_tokens": len(ref["output_ids"]),
+                                            "forward_passes": committed[-1]["meta_info"]["forward_passes"]}
+
+    # OpenAI completions: dllm_block on the choice, beside empty text
+    events = stream_post(client, "/v1/completions", {"prompt": text, "max_tokens": MAX_NEW, "temperature": 0,
+                                                     "stream": True, "stream_provisional": True})
+    choices = [e["choices"][0] for e in events[:-1]]
+    prov = [c for c in choices if c.get("dllm_block", {}).get("provisional")]
+    assert prov and all(c["text"] == "" for c in prov)
+    assert "".join(c["text"] for c in choices) == ref["text"]
+    # and without the flag, no extension key anywhere
+    events = stream_post(client, "/v1/chat/completions", {**body, "stream_provisional": False})
+    assert not any("dllm_block" in e["choices"][0]["delta"] for e in events[:-1] if e["choices"])
+    wait_idle(client)
+
+
+# ----------------------------------------------------------------------------------------------
 # 32 concurrent clients, mixed lengths, a shared prefix
 # ----------------------------------------------------------------------------------------------
 def _requests_32(engine, examples) -> list[dict]:
@@ -473,14 +640,20 @@ def test_disconnect_aborts_and_returns_pages(client, engine, examples):
         'dllm_server_requests_finished_total{"reason": "abort"}', 0) == 1
     assert m1["dllm_generation_tokens_total"] - m0["dllm_generation_tokens_total"] < 400
 
-    # non-streaming: the client times out and goes away; the request is aborted as well
+    # non-streaming: the client times out and goes away; its unfinished requests are aborted as well. Two waves
+    # of the longest answers the context allows (one such request alone can finish within the client's timeout)
     m0 = m1
-    body = {**body, "stream": False}
+    longest = {"max_new_tokens": CONTEXT - 8, "ignore_eos": True, **GREEDY}
+    body = {"input_ids": [[5, 6, 7 + i] for i in range(2 * MAX_RUNNING)], "sampling_params": longest}
     with pytest.raises(httpx.ReadTimeout):
-        client.post("/generate", json=body, timeout=httpx.Timeout(120, read=0.3))
+        client.post("/generate", json=body, timeout=httpx.Timeout(120, read=0.2))
     wait_idle(client, timeout=30)
     m1 = metrics(client)
-    assert m1["dllm_client_disconnects_total"] - m0["dllm_client_disconnects_total"] == 1
+    aborted = m1["dllm_client_disconnects_total"] - m0["dllm_client_disconnects_total"]
+    assert 1 <= aborted <= 2 * MAX_RUNNING
+    assert m1['dllm_server_requests_finished_total{"reason": "abort"}'] - m0[
+        'dllm_server_requests_finished_total{"reason": "abort"}'] == aborted
+    assert m1["dllm_generation_tokens_total"] - m0["dllm_generation_tokens_total"] < 2 * MAX_RUNNING * (CONTEXT - 8)
     assert_serving(client)
 
 
@@ -591,11 +764,29 @@ BAD = [
     ("/generate", {"input_ids": [7] * 600}, "input_ids"),
     ("/generate", {"text": "word " * 100_000}, "text"),
     ("/generate", {"text": "hi", "stream": "yes"}, "stream"),
-    ("/generate", {"text": "hi", "return_logprob": True}, "return_logprob"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 129}, "n"),
+    ("/v1/completions", {"prompt": ["a", "b"], "n": 17}, "n"),  # 34 requests > the capacity of 32
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": True}, "n"),
+    ("/generate", {"text": "hi", "sampling_params": {"n": 0}}, "sampling_params.n"),
+    ("/generate", {"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 3}]}, "sampling_params[1].n"),
+    ("/generate", {"text": "hi", "sampling_params": {"n": 2}, "rid": "one-id"}, "rid"),
+    ("/generate", {"text": "hi", "stream_provisional": True}, "stream_provisional"),
+    ("/generate", {"text": "hi", "stream": True, "stream_provisional": 1}, "stream_provisional"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream_provisional": True},
+     "stream_provisional"),
+    ("/generate", {"text": "hi", "top_logprobs_num": 21}, "top_logprobs_num"),
+    ("/generate", {"text": "hi", "logprob_start_len": 0}, "logprob_start_len"),
+    ("/generate", {"text": "hi", "sampling_params": {"repetition_penalty": 0}}, "sampling_params.repetition_penalty"),
+    ("/generate", {"text": "hi", "sampling_params": {"presence_penalty": -2.5}}, "sampling_params.presence_penalty"),
+    ("/generate", {"text": "hi", "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 4}},
+     "sampling_params.min_new_tokens"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": 3}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias.abc"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias.5"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs"),
-    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
     ("/v1/completions", {"prompt": "hi", "temperature": 3}, "temperature"),
     ("/v1/completions", {"prompt": "hi", "stop": 7}, "stop"),
     ("/v1/completions", {"prompt": [1, 10 ** 9]}, "prompt[1]"),
@@ -607,11 +798,38 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 1000}]}, "messages"),
     ("/start_profile", {"output_dir": "/tmp/x", "steps": 3}, "steps"),
 ]
+# Valid values of features the engine does not implement yet (issue 18): 400 naming the field until it does
+# (serve.features passes them on from then; each entry drops out of BAD when its feature is supported).
+_CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+NOT_YET = [
+    ("return_logprob", "/generate", {"text": "hi", "return_logprob": True}, "return_logprob"),
+    ("top_logprobs_num", "/generate", {"text": "hi", "top_logprobs_num": 3}, "top_logprobs_num"),
+    ("presence_penalty", "/generate", {"text": "hi", "sampling_params": {"presence_penalty": 0.5}},
+     "sampling_params.presence_penalty"),
+    ("min_new_tokens", "/generate", {"text": ["a", "b"], "sampling_params": [{}, {"min_new_tokens": 3}]},
+     "sampling_params[1].min_new_tokens"),
+    ("return_logprob", "/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs"),
+    ("presence_penalty", "/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ("frequency_penalty", "/v1/completions", {"prompt": "hi", "frequency_penalty": -0.5}, "frequency_penalty"),
+    ("repetition_penalty", "/v1/completions", {"prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty"),
+    ("logit_bias", "/v1/completions", {"prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias"),
+    ("min_new_tokens", "/v1/completions", {"prompt": "hi", "min_tokens": 2}, "min_tokens"),
+    ("return_logprob", "/v1/chat/completions", {**_CHAT, "logprobs": True}, "logprobs"),
+    ("return_logprob", "/v1/chat/completions", {**_CHAT, "logprobs": True, "top_logprobs": 2}, "logprobs"),
+    ("presence_penalty", "/v1/chat/completions", {**_CHAT, "presence_penalty": 1}, "presence_penalty"),
+]
+
+
+def _bad_requests():
+    from serve.features import engine_supports
+
+    return BAD + [(path, body, param) for feature, path, body, param in NOT_YET if not engine_supports(feature)]
 
 
 def test_bad_requests_get_400(client):
+    bad = _bad_requests()
     m0 = metrics(client)
-    for path, body, param in BAD:
+    for path, body, param in bad:
         if isinstance(body, bytes):
             r = client.post(path, content=body, headers={"Content-Type": "application/json"})
         else:
@@ -624,7 +842,17 @@ def test_bad_requests_get_400(client):
     # none of them reached the engine; each was counted as rejected
     assert m1["dllm_requests_total"] == m0["dllm_requests_total"]
     key = 'dllm_rejected_requests_total{"reason": "invalid"}'
-    assert m1[key] - m0.get(key, 0) == len(BAD)
+    assert m1[key] - m0.get(key, 0) == len(bad)
+    # the neutral values of those features are accepted (and never reach the engine as parameters)
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1, "logit_bias": {},
+               "min_tokens": 0, "n": 1, "max_tokens": 2, "temperature": 0}
+    for path, body in (("/v1/completions", {"prompt": "hi", "logprobs": None, **neutral}),
+                       ("/v1/chat/completions", {**_CHAT, "logprobs": False, "top_logprobs": 0, **neutral}),
+                       ("/generate", {"text": "hi", "return_logprob": False, "top_logprobs_num": 0,
+                                      "logprob_start_len": -1, "sampling_params": {
+                                          "max_new_tokens": 2, "presence_penalty": 0, "min_new_tokens": 0, "n": 1}})):
+        r = client.post(path, json=body)
+        assert r.status_code == 200, (path, r.text)
     assert_serving(client)
 
 

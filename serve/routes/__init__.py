@@ -1,0 +1,2 @@
+"""The endpoints, one router per API family: :mod:`.sglang` (``/generate``), :mod:`.openai` (``/v1/...``),
+:mod:`.admin` (health, info, metrics, cache, profiler, aborts), :mod:`.playground` (the page at ``/``)."""

@@ -1,0 +1,104 @@
+"""SGLang's ``POST /generate``.
+
+Body: ``text`` or ``input_ids`` (one prompt or a list), ``sampling_params`` (one object or one per prompt;
+``n`` > 1 is SGLang's parallel sampling: n answers per prompt, prompt-major, choice j seeded ``seed + j``),
+``stream``, ``stream_provisional``, ``rid`` (one per answer). Answer ``{"text", "output_ids", "meta_info"}``, a
+list for a batch or n > 1. Streaming: SSE ``data: {...}`` per committed block (cumulative ``text`` /
+``output_ids`` as SGLang, or only the new part with ``--incremental-streaming-output``; ``index`` in batches),
+then ``data: [DONE]``. With ``stream_provisional`` the frames between carry ``meta_info.provisional: true`` and
+``meta_info.block`` (the block being denoised) and unchanged committed ``text`` / ``output_ids``; committed frames
+then carry ``meta_info.provisional: false``.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from serve import features, logprobs
+from serve.errors import ApiError
+from serve.schemas import GenerateRequest
+from serve.state import Batch, Server, expand_choices, finished_results, get_server
+from serve.streaming import SSE_DONE, SSEResponse, sse
+
+router = APIRouter()
+
+LOGPROB_FIELDS = {"sampling_params.return_logprob": "return_logprob",
+                  "sampling_params.top_logprobs_num": "top_logprobs_num"}
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, request: Request, server: Server = Depends(get_server)):
+    n = body.n
+    batch_mode = body.is_batch or n > 1
+    if body.text is not None:
+        texts = body.text if body.is_batch else [body.text]
+        fields = [f"text[{i}]" for i in range(len(texts))] if body.is_batch else ["text"]
+        ids_list = [server.tokenize(t, f) for t, f in zip(texts, fields)]
+    else:
+        ids_list = body.input_ids if body.is_batch else [body.input_ids]
+        fields = [f"input_ids[{i}]" for i in range(len(ids_list))] if body.is_batch else ["input_ids"]
+    prompts = len(ids_list)
+    params = body.sampling_params
+    if isinstance(params, list):
+        if len(params) != prompts:
+            raise ApiError(400, f"sampling_params: {len(params)} entries for {prompts} prompts", "sampling_params")
+        params_list = [p.engine_dict() for p in params]
+        prefixes = [f"sampling_params[{i}]" for i in range(prompts)]
+    else:
+        params_list = [params.engine_dict() if params is not None else {}] * prompts
+        prefixes = ["sampling_params"] * prompts
+    wanted = {"return_logprob": body.return_logprob, "top_logprobs_num": body.top_logprobs_num}
+    params_list = [features.gate({**p, **{k: v for k, v in wanted.items() if v is not None}},
+                                 LOGPROB_FIELDS, prefix) for p, prefix in zip(params_list, prefixes)]
+    ids_list, params_list, fields = expand_choices(ids_list, params_list, fields, n)
+    rids = body.rid
+    if rids is not None:
+        rids = rids if isinstance(rids, list) else [rids]
+        if len(rids) != len(ids_list):
+            what = f"{prompts} prompts" + (f" x n = {n}" if n > 1 else "")
+            raise ApiError(400, f"rid: {len(rids)} ids for {what}", "rid")
+    batch = server.start_batch(ids_list, params_list, fields, stream=body.stream, rids=rids,
+                               provisional=body.stream_provisional,
+                               batch_field="sampling_params.n" if n > 1 else None)
+    text_in_logprobs = bool(body.return_text_in_logprobs)
+    if body.stream:
+        return SSEResponse(_stream(server, batch, batch_mode, body.stream_provisional, text_in_logprobs),
+                           lambda gone: batch.close(gone))
+    results = await finished_results(batch, request)
+    if results is None:
+        return Response(status_code=499)
+    if text_in_logprobs:
+        tok = server.engine.tokenizer
+        results = [{**r, "meta_info": logprobs.with_text(r["meta_info"], tok)} for r in results]
+    return results if batch_mode else results[0]
+
+
+async def _stream(server: Server, batch: Batch, batch_mode: bool, provisional: bool, text_in_logprobs: bool):
+    incremental = server.settings.incremental_streaming_output
+    tok = server.engine.tokenizer
+    text = [""] * len(batch.reqs)
+    ids: list[list[int]] = [[] for _ in batch.reqs]
+    async for index, chunk, delta in batch.deltas():
+        meta = chunk["meta_info"]
+        if text_in_logprobs:
+            meta = logprobs.with_text(meta, tok)
+        if chunk.get("provisional"):
+            meta = {**meta, "provisional": True, "block": chunk["block"]}
+            out = {"text": "", "output_ids": []} if incremental else {"text": text[index],
+                                                                       "output_ids": list(ids[index])}
+            out["meta_info"] = meta
+        elif incremental:
+            out = {"text": delta, "output_ids": chunk["output_ids"], "meta_info": meta}
+        elif chunk["finished"]:  # the whole answer, exactly as the non-streaming one
+            out = {**server.engine.result(batch.reqs[index]), "meta_info": meta}
+        else:
+            text[index] += chunk["text"]
+            ids[index] += chunk["output_ids"]
+            out = {"text": text[index], "output_ids": list(ids[index]), "meta_info": meta}
+        if provisional and not chunk.get("provisional"):
+            out["meta_info"] = {**out["meta_info"], "provisional": False}
+        if batch_mode:
+            out["index"] = index
+        yield sse(out)
+    yield SSE_DONE

@@ -1,0 +1,190 @@
+"""OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` bodies.
+
+Features the engine does not implement yet (log probabilities, penalties, ``logit_bias``) are checked for type and
+range here and turned into the engine's names by :meth:`OpenAICommon.sampling_dict`; :mod:`serve.features` then
+passes them on or answers 400 naming the body's field. Extensions (SGLang / vLLM names): ``top_k``,
+``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``repetition_penalty``, ``min_tokens``, and this
+server's ``stream_provisional``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from serve.schemas.common import (MAX_N, MAX_NEW_TOKENS_LIMIT, MAX_TOP_LOGPROBS, PenaltyFields, StopFields, _Strict,
+                                  check_token_list, first_error, neutral_only)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class OpenAICommon(StopFields, PenaltyFields):
+    """Fields both OpenAI endpoints share."""
+
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = Field(None, ge=0, lt=2 ** 32)
+    user: str | None = None
+    # SGLang / vLLM extensions
+    top_k: int | None = Field(None, ge=-1)
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    min_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS_LIMIT)
+    # this server's extension: the block being denoised, after every step (see serve/README.md)
+    stream_provisional: bool = False
+
+    @model_validator(mode="after")
+    def _provisional_needs_stream(self):
+        if self.stream_provisional and not self.stream:
+            raise ValueError("stream_provisional: needs stream: true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    def logprob_request(self) -> tuple[bool | None, int | None]:
+        """(return_logprob, top_logprobs_num) in the engine's terms."""
+        return None, None
+
+    def sampling_dict(self, max_new_tokens: int | None) -> dict:
+        """The engine's sampling params (its names), gated fields included as given."""
+        out: dict[str, Any] = {"temperature": 1.0 if self.temperature is None else self.temperature}
+        if max_new_tokens is not None:
+            out["max_new_tokens"] = max_new_tokens
+        for name in ("top_p", "top_k", "stop", "seed", "ignore_eos", "skip_special_tokens", "stop_token_ids",
+                     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        if self.min_tokens is not None:
+            out["min_new_tokens"] = self.min_tokens
+        ret, top = self.logprob_request()
+        if ret is not None:
+            out["return_logprob"] = ret
+        if top is not None:
+            out["top_logprobs_num"] = top
+        return out
+
+
+# Engine field names -> OpenAI body field names (for errors the engine raises on OpenAI requests).
+OPENAI_FIELD_NAMES = {"sampling_params.max_new_tokens": "max_tokens", "sampling_params.min_new_tokens": "min_tokens",
+                      "sampling_params.return_logprob": "logprobs", "sampling_params.top_logprobs_num": "logprobs"}
+CHAT_FIELD_NAMES = {**OPENAI_FIELD_NAMES, "sampling_params.top_logprobs_num": "top_logprobs"}
+
+
+class CompletionRequest(OpenAICommon):
+    prompt: Any
+    max_tokens: int | None = Field(16, ge=1, le=MAX_NEW_TOKENS_LIMIT)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("best_of", "suffix")
+    @classmethod
+    def _unsupported(cls, v, info):
+        return neutral_only(v, info.field_name)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and v:
+            if all(isinstance(p, str) for p in v):
+                return v
+            if all(isinstance(p, list) for p in v):
+                return [check_token_list(p, f"prompt[{i}]") for i, p in enumerate(v)]
+            return check_token_list(v, "prompt")
+        raise ValueError("prompt: must be a string, a list of strings, a list of token ids or a list of such lists")
+
+    def logprob_request(self):
+        # OpenAI's completions: logprobs = k returns the chosen token's and the k most likely tokens' logprobs
+        return (None, None) if self.logprobs is None else (True, self.logprobs)
+
+    def prompts(self) -> tuple[list, bool]:
+        """(the prompts, each a str or a list of ids; whether the request is a batch)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p], False
+        if all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p):
+            return list(p), True
+        return [p], False
+
+
+class ContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Any
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v):
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list):
+            parts = []
+            for i, part in enumerate(v):
+                try:
+                    parts.append(ContentPart.model_validate(part).text)
+                except ValidationError as e:
+                    raise ValueError(first_error(e, f"content[{i}]").lstrip(".")) from None
+            return "".join(parts)
+        raise ValueError("content: must be a string or a list of text parts")
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(OpenAICommon):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS_LIMIT)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS_LIMIT)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[dict] | None = None
+    tool_choice: Literal["none"] | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _unsupported(cls, v, info):
+        return neutral_only(v, info.field_name)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        return self
+
+    def logprob_request(self):
+        if not self.logprobs:
+            return (None, None) if self.logprobs is None else (False, None)
+        return True, self.top_logprobs or 0
+
+    def chat_messages(self) -> list[dict]:
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in self.messages]

@@ -1,0 +1,313 @@
+"""The server's state over one engine: input checks, capacity, and the engine requests of each HTTP request.
+
+:class:`Server` validates prompts, checks capacity and submits a request's engine requests (all or none);
+:class:`Batch` receives their events on the event loop. The engine's thread builds each chunk (where the
+request's state is consistent) and hands it over with ``loop.call_soon_threadsafe``; nothing here blocks the
+event loop on the engine.
+
+Provisional chunks (``stream_provisional``: the block being denoised, after every step) are coalesced: while one
+waits unsent, a newer one for the same request replaces it, and a committed chunk drops it. A slow client then
+gets the latest state of each block, never a backlog, and committed chunks always arrive in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import Request
+
+from serve.errors import ApiError, bad_request
+from serve.metrics import ServerMetrics, snapshot
+from serve.settings import ServerSettings
+
+logger = logging.getLogger("dllm_jax.serve")
+
+
+class Server:
+    def __init__(self, engine, settings: ServerSettings):
+        self.engine = engine
+        self.settings = settings
+        self.model_name = settings.served_model_name or os.path.basename(os.path.normpath(engine.model_path))
+        self.inflight = 0  # engine requests submitted and not yet released (event-loop thread only)
+        self.live: dict[str, Any] = {}  # rid -> Request, for duplicate ids and /abort_request
+        self.ready = False
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(self.load_snapshot, lambda: self.inflight)
+
+    @property
+    def capacity(self) -> int:
+        return self.engine.max_running_requests + self.settings.max_queued_requests
+
+    def load_snapshot(self) -> dict:
+        return snapshot(self.engine.get_load)
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        e = self.engine
+        fits = (e.context_length // e.block_size) * e.block_size - 1  # the prompt's tail block must fit
+        limit = self.settings.max_prompt_tokens
+        return fits if limit is None else min(limit, fits)
+
+    # -- inputs ---------------------------------------------------------------------------------
+    def tokenize(self, text: str, field: str) -> list[int]:
+        if not text:
+            raise ApiError(400, f"{field}: the prompt is empty", field)
+        limit = self.max_prompt_tokens
+        if len(text) > 32 * limit + 1024:  # far too long whatever the tokenizer does; do not even tokenize
+            raise ApiError(400, f"{field}: the prompt has {len(text)} characters; the limit is {limit} tokens",
+                           field)
+        try:
+            return self.engine.tokenize(text, field)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+
+    def check_ids(self, ids: list[int], field: str) -> None:
+        if not ids:
+            raise ApiError(400, f"{field}: the prompt is empty", field)
+        limit = self.max_prompt_tokens
+        if len(ids) > limit:
+            raise ApiError(400, f"{field}: the prompt has {len(ids)} tokens; the limit is {limit}", field)
+
+    # -- submission -----------------------------------------------------------------------------
+    def start_batch(self, ids_list: list[list[int]], params_list: list[dict], fields: list[str], *,
+                    stream: bool, rids: list[str | None] | None = None, renames: dict | None = None,
+                    provisional: bool = False, batch_field: str | None = None) -> "Batch":
+        """Validate every engine request, check capacity, then submit them all (or none). ``fields`` name each
+        request's prompt in errors; ``batch_field`` names what made the batch too large (default: the prompt)."""
+        if not self.ready:
+            raise ApiError(503, "the server is not ready (starting or shutting down)",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+        n = len(ids_list)
+        if n > self.capacity:
+            field = batch_field or fields[0].split('[')[0]
+            raise ApiError(400, f"{field}: a batch of {n} requests exceeds the server's capacity of {self.capacity} "
+                                f"requests", field)
+        for ids, field in zip(ids_list, fields):
+            self.check_ids(ids, field)
+        rids = rids or [None] * n
+        seen = set()
+        for rid in rids:
+            if rid is not None and (rid in self.live or rid in seen):
+                raise ApiError(400, f"rid: a request with id {rid!r} is already in flight", "rid")
+            seen.add(rid)
+        batch = Batch(self, stream)
+        reqs = []
+        for i, (ids, params, field, rid) in enumerate(zip(ids_list, params_list, fields, rids)):
+            try:
+                reqs.append(self.engine.make_request(ids, params, rid=rid or uuid.uuid4().hex,
+                                                     on_event=batch.on_event_for(i), field=field,
+                                                     provisional=provisional))
+            except ValueError as e:
+                raise bad_request(str(e), renames) from None
+        if self.inflight + n > self.capacity:
+            raise ApiError(503, f"server busy: {self.inflight} requests in flight, capacity {self.capacity}; "
+                                f"retry later", headers={"Retry-After": str(self.settings.retry_after_s)},
+                           reason="queue_full")
+        batch.reqs = reqs
+        self.inflight += n
+        batch.reserved = n
+        for req in reqs:
+            self.live[req.rid] = req
+        try:
+            for req in reqs:
+                self.engine.submit(req)
+        except RuntimeError as e:  # the engine is shutting down
+            batch.close()
+            raise ApiError(503, f"the server is shutting down: {e}") from None
+        return batch
+
+
+def get_server(request: Request) -> Server:
+    """The app's :class:`Server` (a FastAPI dependency of every route that needs the engine)."""
+    server = getattr(request.app.state, "server", None)
+    if server is None:
+        raise ApiError(503, "the server is starting")
+    return server
+
+
+class ClientGone(Exception):
+    pass
+
+
+class Batch:
+    """The engine requests of one HTTP request; their events arrive on one asyncio queue as (index, item): a
+    chunk, None meaning "finished" for non-streaming requests, or a provisional slot (see the module's doc)."""
+
+    def __init__(self, server: Server, stream: bool):
+        self.server = server
+        self.stream = stream
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.reqs: list = []
+        self.reserved = 0
+        self.closed = False
+        self._slots: dict[int, list] = {}  # index -> [the provisional chunk waiting to be sent]
+
+    def _post(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self._deliver, item)
+        except RuntimeError:  # the event loop is gone (server shutting down)
+            pass
+
+    def _deliver(self, item) -> None:
+        """On the event loop: queue a chunk, or coalesce a provisional one."""
+        index, chunk = item
+        if chunk is not None and chunk.get("provisional"):
+            slot = self._slots.get(index)
+            if slot is not None:  # an older provisional chunk still waits: replace it
+                slot[0] = chunk
+                return
+            slot = self._slots[index] = [chunk]
+            self.queue.put_nowait((index, slot))
+            return
+        slot = self._slots.pop(index, None)
+        if slot is not None:  # superseded by this committed chunk
+            slot[0] = None
+        self.queue.put_nowait(item)
+
+    def on_event_for(self, index: int) -> Callable:
+        """The request's ``on_event`` (runs on the engine's thread)."""
+        from dllm_jax.engine.engine import ChunkSink
+
+        engine, metrics = self.server.engine, self.server.metrics
+        sink = ChunkSink(engine, put=lambda chunk: self._post((index, chunk))) if self.stream else None
+
+        def on_event(req, event):
+            if req.finished:
+                try:
+                    metrics.observe_finish(engine.meta_info(req))
+                except Exception:  # metrics must never break the engine loop
+                    logger.exception("metrics update failed")
+            if sink is not None:
+                sink(req, event)
+            elif req.finished:
+                self._post((index, None))
+
+        return on_event
+
+    async def wait(self, request: Request) -> None:
+        """Wait until every request finished; abort them if the client disconnects meanwhile."""
+        pending = len(self.reqs)
+        getter = None
+        try:
+            while pending:
+                if getter is None:
+                    getter = asyncio.ensure_future(self.queue.get())
+                done, _ = await asyncio.wait({getter}, timeout=self.server.settings.disconnect_poll_s)
+                if not done:
+                    if await request.is_disconnected():
+                        raise ClientGone()
+                    continue
+                _, chunk = getter.result()
+                getter = None
+                if chunk is None or chunk["finished"]:
+                    pending -= 1
+        finally:
+            if getter is not None:
+                getter.cancel()
+
+    async def events(self) -> AsyncIterator[tuple[int, dict]]:
+        pending = len(self.reqs)
+        while pending:
+            index, item = await self.queue.get()
+            if isinstance(item, list):  # a provisional slot
+                if self._slots.get(index) is item:
+                    del self._slots[index]
+                chunk = item[0]
+                if chunk is None:  # superseded before it could be sent
+                    continue
+                yield index, chunk
+                continue
+            yield index, item
+            if item["finished"]:
+                pending -= 1
+
+    def close(self, client_gone: bool = False) -> None:
+        """Abort what is unfinished and give the capacity back (idempotent; event-loop thread)."""
+        if self.closed:
+            return
+        self.closed = True
+        unfinished = [r for r in self.reqs if not r.finished]
+        for req in unfinished:
+            self.server.engine.abort(req)
+        if unfinished and client_gone:
+            self.server.metrics.client_aborts.inc(len(unfinished))
+            logger.info("client disconnected: aborted %d request(s)", len(unfinished))
+        for req in self.reqs:
+            self.server.live.pop(req.rid, None)
+        self.server.inflight -= self.reserved
+        self.reserved = 0
+
+    def results(self) -> list[dict]:
+        return [self.server.engine.result(r) for r in self.reqs]
+
+    def deltas(self) -> AsyncIterator[tuple[int, dict, str]]:
+        """``events()`` with each chunk's new text, the last one computed from the finished answer: streamed
+        deltas then add up to the non-streaming text (a stop string found across a block boundary cuts text that
+        an earlier chunk already carried; that text cannot be taken back, but it is never sent twice).
+        Provisional chunks come through with an empty delta."""
+        return self._deltas()
+
+    async def _deltas(self):
+        sent = [""] * len(self.reqs)
+        async for index, chunk in self.events():
+            if chunk.get("provisional"):
+                yield index, chunk, ""
+                continue
+            delta = chunk["text"]
+            if chunk["finished"]:
+                full = self.server.engine.result(self.reqs[index])["text"]
+                delta = full[len(sent[index]):] if full.startswith(sent[index]) else ""
+            sent[index] += delta
+            yield index, chunk, delta
+
+
+def abort_error(results: list[dict]) -> ApiError | None:
+    for res in results:
+        reason = res["meta_info"].get("finish_reason") or {}
+        if reason.get("type") == "abort":
+            message = str(reason.get("message", "aborted"))
+            status = 400 if "KV pages" in message else 500
+            return ApiError(status, f"request aborted: {message}")
+    return None
+
+
+async def finished_results(batch: Batch, request: Request) -> list[dict] | None:
+    """Wait for a non-streamed batch: its results, ``None`` when the client went away (the batch is then
+    aborted), or an :class:`ApiError` raised for an aborted request."""
+    try:
+        await batch.wait(request)
+    except ClientGone:
+        batch.close(client_gone=True)
+        return None
+    finally:
+        batch.close()
+    results = batch.results()
+    err = abort_error(results)
+    if err is not None:
+        raise err
+    return results
+
+
+def expand_choices(ids_list: list, params_list: list[dict], fields: list[str], n: int):
+    """Each prompt ``n`` times, prompt-major (engine request ``k * n + j`` is prompt k's choice j), choice j with
+    seed ``seed + j`` when a seed is given (else the engine draws a distinct one per request). The choices of a
+    prompt arrive together, so the scheduler prefills the prompt's complete blocks once and the others match them
+    from the prefix cache (``meta_info.cached_tokens``)."""
+    if n == 1:
+        return ids_list, params_list, fields
+    ids_out, params_out, fields_out = [], [], []
+    for ids, params, field in zip(ids_list, params_list, fields):
+        for j in range(n):
+            p = dict(params)
+            if p.get("seed") is not None:
+                p["seed"] = (p["seed"] + j) % 2 ** 32
+            ids_out.append(ids)
+            params_out.append(p)
+            fields_out.append(field)
+    return ids_out, params_out, fields_out
