@@ -508,8 +508,13 @@ def test_provisional_stream(client, engine, examples):
     assert "".join(d.get("content", "") for d in deltas) == ref["text"]
     final = events[-2]["choices"][0]
     assert final["finish_reason"] in ("stop", "length")
-    assert final["delta"]["dllm_block"] == {"provisional": False, "completion_tokens": len(ref["output_ids"]),
-                                            "forward_passes": committed[-1]["meta_info"]["forward_passes"]}
+    blk = final["delta"]["dllm_block"]
+    assert (blk["provisional"], blk["completion_tokens"], blk["forward_passes"]) == (
+        False, len(ref["output_ids"]), committed[-1]["meta_info"]["forward_passes"])
+    # committed frames carry the ids they committed: together, the answer
+    commits = [d["dllm_block"] for d in deltas if "dllm_block" in d and not d["dllm_block"]["provisional"]]
+    assert sum((c["output_ids"] for c in commits), []) == ref["output_ids"]
+    assert all(len(c["pieces"]) == len(c["output_ids"]) for c in commits)
 
     # OpenAI completions: dllm_block on the choice, beside empty text
     events = stream_post(client, "/v1/completions", {"prompt": text, "max_tokens": MAX_NEW, "temperature": 0,

@@ -56,11 +56,17 @@ def stream_error(meta: dict) -> dict | None:
     return error_body(500, f"request aborted: {reason.get('message', 'aborted')}")
 
 
-def dllm_block(chunk: dict) -> dict:
+def dllm_block(chunk: dict, tokenizer=None) -> dict:
+    """The ``dllm_block`` extension of a frame: the block's state for a provisional chunk; for a committed one the
+    ids it committed and their texts (they fill the block's open positions, in order)."""
     meta = chunk["meta_info"]
     out = {"provisional": bool(chunk.get("provisional"))}
     if chunk.get("provisional"):
         out.update(chunk["block"])
+    else:
+        ids = chunk["output_ids"]
+        out["output_ids"] = list(ids)
+        out["pieces"] = [tokenizer.decode([t]) for t in ids] if tokenizer is not None else None
     out["completion_tokens"] = meta["completion_tokens"]
     out["forward_passes"] = meta["forward_passes"]
     return out
@@ -75,6 +81,7 @@ class _Frames:
         self.metas: dict[int, dict] = {}
         self.n = body.num_choices
         self.lp_sent = [0] * len(batch.reqs)  # logprob entries sent per choice
+        self.tokenizer = server.engine.tokenizer
 
     def frame(self, choices, usage_: dict | None = None) -> str:
         out = {"id": self.cid, "object": self.obj, "created": self.created, "model": self.server.model_name,
@@ -124,7 +131,7 @@ async def completion_stream(server: Server, batch: Batch, body: CompletionReques
             if done:
                 choice["matched_stop"] = matched(meta)
             if provisional:
-                choice["dllm_block"] = dllm_block(chunk)
+                choice["dllm_block"] = dllm_block(chunk, f.tokenizer)
             yield f.frame([choice], f.usage_now())
     last = f.final_usage()
     if last:
@@ -151,13 +158,15 @@ async def chat_stream(server: Server, batch: Batch, body: ChatCompletionRequest,
             yield sse(error)
             continue
         lp = f.logprob_slice(index, chunk, logprobs.chat) if chunk["output_ids"] else None
+        block = dllm_block(chunk, f.tokenizer) if provisional else None
         if delta or lp or (provisional and not chunk["finished"]):
             d = {"content": delta}
-            if provisional:
-                d["dllm_block"] = dllm_block(chunk)
+            if block is not None:
+                d["dllm_block"] = block
+                block = {**block, "output_ids": [], "pieces": []}  # the finish frame does not repeat them
             yield f.frame([{"index": index, "delta": d, "logprobs": lp, "finish_reason": None}], usage_)
         if chunk["finished"]:
-            d = {"dllm_block": dllm_block(chunk)} if provisional else {}
+            d = {"dllm_block": block} if block is not None else {}
             yield f.frame([{"index": index, "delta": d, "logprobs": None, "finish_reason": finish(meta),
                             "matched_stop": matched(meta)}], usage_)
     last = f.final_usage()
