@@ -6,8 +6,11 @@ read a stack trace to find which shard is truncated.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
+import mmap
 import os
 import re
 import shutil
@@ -112,27 +115,42 @@ def hf_to_param_path(name: str):
 class _Part:
     path: tuple  # ("embed",), ("layers", i, "q"), ("layers", i, "moe", "gate")
     expert: int | None  # None: the whole leaf; e: row e of a stacked [E, ...] leaf
-    convert: Callable[[np.ndarray], np.ndarray]
+    convert: tuple  # a conversion spec (see _convert): hashable, so one jitted function serves every tensor
 
 
 class _Unsupported(Exception):
     """A tensor this config cannot hold; the message completes "tensor 'NAME' ..."."""
 
 
-def _ident(a):
-    return a
+# Conversion specs, applied on the device (jnp) or to numpy arrays alike:
+#   ("id",)               as stored
+#   ("T",)                [out, in] -> [in, out]
+#   ("T3",)               [E, out, in] -> [E, in, out]
+#   ("rows", lo, hi, t)   rows lo:hi of a fused tensor (LLaDA2 query_key_value), transposed if t
+#   ("mid", lo, hi)       a[:, lo:hi] of a fused 3D expert tensor, then [E, in, out]
+_ID, _T, _T3 = ("id",), ("T",), ("T3",)
+# Specs that act row by row along axis 0, so a large tensor can be converted in chunks of rows.
+_CHUNKABLE = ("id", "T", "T3", "mid")
 
 
-def _transpose(a):
-    return a.T
-
-
-def _transpose_stacked(a):
-    return a.transpose(0, 2, 1)
+def _convert(spec: tuple, a):
+    kind = spec[0]
+    if kind == "id":
+        return a
+    if kind == "T":
+        return a.T
+    if kind == "T3":
+        return a.transpose(0, 2, 1)
+    if kind == "rows":
+        part = a[spec[1]:spec[2]]
+        return part.T if spec[3] else part
+    if kind == "mid":
+        return a[:, spec[1]:spec[2]].transpose(0, 2, 1)
+    raise AssertionError(spec)
 
 
 def _simple(path, transpose):
-    return [_Part(path, None, _transpose if transpose else _ident)]
+    return [_Part(path, None, _T if transpose else _ID)]
 
 
 def _expected_hf_shape(cfg: ModelConfig, shapes: Params, parts: list[_Part]) -> tuple:
@@ -148,9 +166,9 @@ def _expected_hf_shape(cfg: ModelConfig, shapes: Params, parts: list[_Part]) -> 
         return (e, 2 * m, h)
     if first.expert is not None:
         leaf = leaf[1:]
-    if first.convert is _transpose:
+    if first.convert == _T:
         return tuple(reversed(leaf))
-    if first.convert is _transpose_stacked:
+    if first.convert == _T3:
         return (leaf[0], leaf[2], leaf[1])
     return tuple(leaf)
 
@@ -170,14 +188,14 @@ def _qwen3_layer_parts(cfg: ModelConfig, i: int, suffix: str) -> list[_Part] | N
         return _simple(base + ("moe", "router"), True)
     m = _EXPERT_RE.match(suffix)
     if m:
-        return [_Part(base + ("moe", _PROJ_KEY[m.group(2)]), int(m.group(1)), _transpose)]
+        return [_Part(base + ("moe", _PROJ_KEY[m.group(2)]), int(m.group(1)), _T)]
     # transformers >= 5 in-memory layout: experts fused as 3D parameters [E, out, in].
     if suffix in ("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj.weight"):
         half = cfg.moe_intermediate_size
-        return [_Part(base + ("moe", "gate"), None, lambda a: a[:, :half].transpose(0, 2, 1)),
-                _Part(base + ("moe", "up"), None, lambda a: a[:, half:].transpose(0, 2, 1))]
+        return [_Part(base + ("moe", "gate"), None, ("mid", 0, half)),
+                _Part(base + ("moe", "up"), None, ("mid", half, 2 * half))]
     if suffix in ("mlp.experts.down_proj", "mlp.experts.down_proj.weight"):
-        return [_Part(base + ("moe", "down"), None, _transpose_stacked)]
+        return [_Part(base + ("moe", "down"), None, _T3)]
     return None
 
 
@@ -185,13 +203,13 @@ def _llada2_layer_parts(cfg: ModelConfig, i: int, suffix: str) -> list[_Part] | 
     base = ("layers", i)
     q, kv = cfg.q_size, cfg.kv_size
     if suffix == "attention.query_key_value.weight":
-        return [_Part(base + ("q",), None, lambda a: a[:q].T),
-                _Part(base + ("k",), None, lambda a: a[q:q + kv].T),
-                _Part(base + ("v",), None, lambda a: a[q + kv:].T)]
+        return [_Part(base + ("q",), None, ("rows", 0, q, True)),
+                _Part(base + ("k",), None, ("rows", q, q + kv, True)),
+                _Part(base + ("v",), None, ("rows", q + kv, q + 2 * kv, True))]
     if suffix == "attention.query_key_value.bias":
-        return [_Part(base + ("q_bias",), None, lambda a: a[:q]),
-                _Part(base + ("k_bias",), None, lambda a: a[q:q + kv]),
-                _Part(base + ("v_bias",), None, lambda a: a[q + kv:])]
+        return [_Part(base + ("q_bias",), None, ("rows", 0, q, False)),
+                _Part(base + ("k_bias",), None, ("rows", q, q + kv, False)),
+                _Part(base + ("v_bias",), None, ("rows", q + kv, q + 2 * kv, False))]
     if suffix.startswith("mlp.") and suffix.endswith(".bias"):
         raise _Unsupported("is an MLP bias; MLP biases are not supported (LLaDA2 checkpoints have none)")
     if suffix in _LLADA2_LAYER_NAMES:
@@ -211,7 +229,7 @@ def _llada2_layer_parts(cfg: ModelConfig, i: int, suffix: str) -> list[_Part] | 
         return _simple(base + ("moe", "expert_bias"), False)
     m = _EXPERT_RE.match(suffix)
     if m:
-        return [_Part(base + ("moe", _PROJ_KEY[m.group(2)]), int(m.group(1)), _transpose)]
+        return [_Part(base + ("moe", _PROJ_KEY[m.group(2)]), int(m.group(1)), _T)]
     m = _SHARED_RE.match(suffix)
     if m:
         return _simple(base + ("moe", "shared_" + _PROJ_KEY[m.group(1)]), True)
@@ -354,66 +372,348 @@ def _safetensor_files(model_dir: str) -> list[str]:
     raise CheckpointError(f"{model_dir}: no model.safetensors, safetensors index or Orbax '{ORBAX_PARAMS_DIR}/' found")
 
 
-def load_safetensors_params(model_dir: str, cfg: ModelConfig, dtype, *, progress: bool = False) -> Params:
-    from safetensors import safe_open
+# Source dtypes a checkpoint may store (little-endian, as the format prescribes).
+_ST_DTYPES = {"BF16": np.dtype(jnp.bfloat16), "F16": np.dtype(np.float16), "F32": np.dtype(np.float32),
+              "F64": np.dtype(np.float64)}
+# Tensors at least this big are read into page-aligned memory (which XLA:CPU adopts without a copy) with
+# transparent huge pages requested (first-touch page faults dominate a load on some hosts).
+_ALIGNED_MIN_BYTES = 1 << 20
+# A tensor converted on the device (transposed, split, cast) goes through a reused staging buffer; one larger
+# than this is converted in chunks of rows, so the staging buffer stays this small.
+CHUNK_BYTES = 64 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    dtype: np.dtype
+    shape: tuple
+    offset: int  # absolute byte offset of the data in the file
+    nbytes: int
+
+
+class SafetensorsFile:
+    """One ``.safetensors`` file, read tensor by tensor.
+
+    The format is 8 bytes of little-endian header length, a JSON header (name -> dtype, shape, byte range), then
+    the raw data. Each tensor's bytes are read with ``os.preadv`` straight into the caller's buffer: one copy from
+    the page cache, and nothing of the file stays mapped (a memory-mapped shard counts in the process's RSS for
+    as long as it is mapped, and copying out of a mapping costs a page fault per page).
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            self._fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot open safetensors file ({e})") from e
+        try:
+            self.tensors = self._parse_header()
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _parse_header(self) -> dict[str, TensorInfo]:
+        path = self.path
+        size = os.fstat(self._fd).st_size
+        head = os.pread(self._fd, 8, 0)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: cannot read safetensors file (truncated: {size} bytes, no header)")
+        n = int.from_bytes(head, "little")
+        if n <= 0 or 8 + n > size:
+            raise CheckpointError(f"{path}: cannot read safetensors file (header of {n} bytes does not fit the "
+                                  f"file's {size} bytes: truncated or not a safetensors file)")
+        try:
+            header = json.loads(os.pread(self._fd, n, 8))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: cannot read safetensors file (header is not valid JSON: {e})") from e
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path}: cannot read safetensors file (header is not a JSON object)")
+        tensors = {}
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dtype_name, shape, (begin, end) = meta["dtype"], tuple(int(s) for s in meta["shape"]), \
+                    meta["data_offsets"]
+            except (KeyError, TypeError, ValueError) as e:
+                raise CheckpointError(f"{path}: tensor '{name}' has a malformed header entry ({e})") from e
+            if dtype_name not in _ST_DTYPES:
+                raise CheckpointError(f"{path}: tensor '{name}' has dtype {dtype_name}; supported: "
+                                      f"{', '.join(_ST_DTYPES)}")
+            dtype = _ST_DTYPES[dtype_name]
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            if int(end) - int(begin) != nbytes or begin < 0:
+                raise CheckpointError(f"{path}: tensor '{name}' has byte range [{begin}, {end}) but shape {shape} "
+                                      f"of {dtype_name} needs {nbytes} bytes")
+            if 8 + n + int(end) > size:
+                raise CheckpointError(f"{path}: tensor '{name}' ends past the end of the file (truncated?)")
+            tensors[name] = TensorInfo(dtype, shape, 8 + n + int(begin), nbytes)
+        return dict(sorted(tensors.items(), key=lambda kv: kv[1].offset))  # file order: sequential reads
+
+    def read_into(self, name: str, out: np.ndarray, first_row: int = 0) -> None:
+        """Fill ``out`` (a byte buffer) with the tensor's bytes from row ``first_row`` of axis 0 on."""
+        info = self.tensors[name]
+        row_bytes = info.nbytes // info.shape[0] if info.shape and info.shape[0] else info.nbytes
+        offset, view, done = info.offset + first_row * row_bytes, memoryview(out).cast("B"), 0
+        while done < len(view):
+            got = os.preadv(self._fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise CheckpointError(f"{self.path}: tensor '{name}' cannot be read (file ended early)")
+            done += got
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _host_buffer(nbytes: int) -> np.ndarray:
+    """An uninitialised byte buffer; page-aligned anonymous memory (huge pages requested) when large."""
+    if nbytes < _ALIGNED_MIN_BYTES:
+        return np.empty(nbytes, np.uint8)
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(AttributeError, OSError):
+        m.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(m, np.uint8, nbytes)
+
+
+@functools.lru_cache(maxsize=None)
+def _convert_fn(spec: tuple, dtype):
+    """The jitted conversion ``spec`` then cast (one function per spec; jit caches per shape)."""
+    return jax.jit(lambda a: _convert(spec, a).astype(dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _update_fn(spec: tuple):
+    """Write converted rows ``r0:`` of a chunked tensor into ``out`` in place (donated)."""
+    def update(out, chunk, r0):
+        value = _convert(spec, chunk).astype(out.dtype)
+        starts = [jnp.zeros((), jnp.int32)] * out.ndim
+        starts[1 if spec[0] == "T" else 0] = r0
+        return jax.lax.dynamic_update_slice(out, value, starts)
+    return jax.jit(update, donate_argnums=0)
+
+
+@functools.lru_cache(maxsize=None)
+def _set_expert_fn(spec: tuple):
+    """Write one expert's converted matrix into row ``e`` of its stacked leaf in place (donated)."""
+    return jax.jit(lambda stack, a, e: stack.at[e].set(_convert(spec, a).astype(stack.dtype)), donate_argnums=0)
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros_fn(shape: tuple, dtype, sharding):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _normalize_head_device(lm_head, dtype):
+    """:func:`normalize_head` on the device: float32 in, ``dtype`` out."""
+    a = lm_head.astype(jnp.float32)
+    return (a / jnp.maximum(jnp.linalg.norm(a, axis=1, keepdims=True), NORM_HEAD_EPS)).astype(dtype)
+
+
+@dataclasses.dataclass
+class _Job:
+    """One read: a whole tensor, or rows ``first_row : first_row + rows`` of it (a chunk of a large conversion)."""
+    st: SafetensorsFile
+    name: str
+    info: TensorInfo
+    parts: list  # the _Parts this tensor fills
+    targets: list  # their storage dtypes
+    mode: str  # "whole" (used as stored: its own buffer) | "convert" | "chunk" | "expert" (staging buffer)
+    first_row: int = 0
+    rows: int | None = None  # None: all of it
+    last: bool = True  # the tensor's last chunk
+
+    @property
+    def shape(self) -> tuple:
+        return self.info.shape if self.rows is None else (self.rows,) + self.info.shape[1:]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.info.dtype.itemsize
+
+
+class _Reader:
+    """Reads jobs' bytes in a background thread, ``ahead`` jobs in advance, so disk / page-cache reads overlap the
+    device conversions (``os.preadv`` and XLA both release the GIL). Staging reads rotate over ``ahead + 1``
+    reused buffers: a buffer is refilled only after the job that used it was consumed."""
+
+    def __init__(self, jobs: list[_Job], ahead: int = 2):
+        import concurrent.futures
+
+        self.jobs = jobs
+        self.ahead = ahead
+        self.ring: list[np.ndarray | None] = [None] * (ahead + 1)
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dllm-load")
+        self.futures = {}
+        self.next = 0
+
+    def _read(self, k: int) -> np.ndarray:
+        job = self.jobs[k]
+        if job.mode == "whole":
+            buf = _host_buffer(job.nbytes)
+        else:
+            slot = k % len(self.ring)
+            if self.ring[slot] is None or self.ring[slot].nbytes < job.nbytes:
+                self.ring[slot] = None
+                self.ring[slot] = _host_buffer(max(job.nbytes, 1))
+            buf = self.ring[slot][:job.nbytes]
+        job.st.read_into(job.name, buf, job.first_row)
+        return buf.view(job.info.dtype).reshape(job.shape)
+
+    def __iter__(self):
+        try:
+            for k in range(len(self.jobs)):
+                while self.next < len(self.jobs) and self.next <= k + self.ahead:
+                    self.futures[self.next] = self.pool.submit(self._read, self.next)
+                    self.next += 1
+                yield self.jobs[k], self.futures.pop(k).result()
+        finally:
+            for f in self.futures.values():
+                f.cancel()
+            self.pool.shutdown(wait=True)
+
+
+class _Placer:
+    """Turns jobs' host arrays into device arrays of the target dtype (and sharding).
+
+    * A tensor stored as the model uses it (same layout and dtype) arrives in its own page-aligned buffer, which
+      XLA:CPU adopts without a copy (on GPU it is copied to the device), so the weights exist once.
+    * A tensor that needs a conversion (transpose ``[out, in] -> [in, out]``, a split of a fused tensor, a dtype
+      cast) arrives in a reused staging buffer and is converted on the device by a jitted function; above
+      ``CHUNK_BYTES`` it comes in chunks of rows written into a donated output, so the extra memory is a chunk.
+    * Expert matrices are written into their stacked ``[E, ...]`` leaf in place (donated updates).
+    Peak memory is therefore the model plus a few staging buffers.
+    """
+
+    def __init__(self, cfg: ModelConfig, mesh=None):
+        self.cfg = cfg
+        self.mesh = mesh
+        self.pending: dict[tuple, Any] = {}  # (chunked tensor, leaf) -> its output being filled
+        self.stacks: dict[tuple, Any] = {}  # stacked expert leaf path -> device array being filled
+        self.filled: dict[tuple, set] = {}  # ... -> experts written so far
+
+    def sharding(self, path: tuple, shape: tuple):
+        if self.mesh is None:
+            return None
+        from jax.sharding import NamedSharding
+
+        from dllm_jax.sharding import PARAM_AXES, spec_for
+
+        key = path[-1] if "moe" not in path else "moe." + path[-1]
+        return NamedSharding(self.mesh, spec_for(PARAM_AXES[key], shape, self.cfg, self.mesh))
+
+    def place(self, job: _Job, host: np.ndarray, shapes: Params, params: Params) -> None:
+        if job.mode == "whole":
+            part = job.parts[0]
+            sharding = self.sharding(part.path, job.info.shape)
+            _set(params, part.path, jax.device_put(host, sharding) if sharding is not None else jax.device_put(host))
+            return
+        # Staged: the host buffer is reused after this call, so everything that reads it finishes here.
+        x = jax.device_put(host).block_until_ready()
+        for part, target in zip(job.parts, job.targets):
+            leaf_shape = _get(shapes, part.path)
+            if job.mode == "expert":
+                if part.path not in self.stacks:
+                    self.stacks[part.path] = _zeros_fn(leaf_shape, target, self.sharding(part.path, leaf_shape))()
+                    self.filled[part.path] = set()
+                self.stacks[part.path] = _set_expert_fn(part.convert)(self.stacks[part.path], x,
+                                                                      jnp.int32(part.expert)).block_until_ready()
+                self.filled[part.path].add(part.expert)
+            elif job.mode == "chunk":
+                out = self.pending.pop((job.name, part.path), None)
+                if out is None:
+                    out = _zeros_fn(leaf_shape, target, self.sharding(part.path, leaf_shape))()
+                out = _update_fn(part.convert)(out, x, jnp.int32(job.first_row)).block_until_ready()
+                if job.last:
+                    _set(params, part.path, out)
+                else:
+                    self.pending[(job.name, part.path)] = out
+            else:
+                out = _convert_fn(part.convert, target)(x).block_until_ready()
+                sharding = self.sharding(part.path, leaf_shape)
+                _set(params, part.path, out if sharding is None else jax.device_put(out, sharding))
+        del x
+
+
+def load_safetensors_params(model_dir: str, cfg: ModelConfig, dtype, *, progress: bool = False,
+                            mesh=None) -> Params:
+    """Stream the checkpoint's tensors into device arrays of ``dtype`` (routing leaves: see ``leaf_dtype``).
+
+    One tensor at a time (see :class:`_Placer`): no float32 host copy, no second copy of the model. With
+    ``mesh`` each leaf is placed with its :mod:`dllm_jax.sharding` layout as it is loaded.
+    """
     from tqdm import tqdm
 
     shapes = param_shapes(cfg)
     dtypes = param_dtypes(cfg, dtype)
     params: Params = {"layers": [dict() for _ in range(cfg.num_layers)]}
-    expert_rows: dict[tuple, dict[int, np.ndarray]] = {}  # stacked leaf path -> expert -> [in, out]
-    files = _safetensor_files(model_dir)
-    bar = tqdm(total=sum(os.path.getsize(p) for p in files), desc="loading weights", unit="B", unit_scale=True,
-               disable=not progress, leave=False)
-    for path in files:
-        try:
-            f = safe_open(path, framework="np")
-        except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
-            raise CheckpointError(f"{path}: cannot read safetensors file ({e})") from e
-        with f:
-            for name in f.keys():
-                try:
-                    parts = hf_tensor_parts(cfg, name)
-                except _Unsupported as e:
-                    raise CheckpointError(f"{path}: tensor '{name}' {e}") from None
-                if not parts:
-                    continue
-                parts = [p for p in parts if _has(shapes, p.path)]
-                if not parts:  # e.g. a tied lm_head, or biases the config does not use
-                    continue
-                hf_shape = tuple(f.get_slice(name).get_shape())
-                expected = _expected_hf_shape(cfg, shapes, parts)
-                if hf_shape != expected:
-                    raise CheckpointError(f"{path}: tensor '{name}' has shape {hf_shape}, expected {expected} "
-                                          f"from config.json")
-                try:
-                    arr = f.get_tensor(name)
-                except Exception as e:
-                    raise CheckpointError(f"{path}: tensor '{name}' cannot be read ({e})") from e
-                for part in parts:
-                    value = part.convert(arr)
-                    if part.expert is not None:
-                        num = _get(shapes, part.path)[0]
-                        if part.expert >= num:
-                            raise CheckpointError(f"{path}: tensor '{name}' is for expert {part.expert} but the "
-                                                  f"config has num_experts={num}")
-                        expert_rows.setdefault(part.path, {})[part.expert] = value
-                        continue
-                    if part.path == ("lm_head",) and cfg.norm_head:
-                        value = normalize_head(value)
-                    _set(params, part.path, _to_jnp(value, _get(dtypes, part.path)))
-                bar.update(arr.nbytes)
-    bar.close()
-    for leaf_path, rows in expert_rows.items():
-        num = _get(shapes, leaf_path)[0]
-        if len(rows) == num:
-            _set(params, leaf_path, _to_jnp(np.stack([rows[e] for e in range(num)]), _get(dtypes, leaf_path)))
-    _check_complete(params, shapes, cfg, model_dir, expert_rows)
+    placer = _Placer(cfg, mesh)
+    files = [SafetensorsFile(path) for path in _safetensor_files(model_dir)]  # every header first: fail early
+    try:
+        jobs = [job for st in files for name, info in st.tensors.items()
+                for job in _plan(st, name, info, cfg, shapes, dtypes)]
+        total = sum(info.nbytes for st in files for info in st.tensors.values())
+        with tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, disable=not progress,
+                  leave=False) as bar:
+            for job, host in _Reader(jobs):
+                placer.place(job, host, shapes, params)
+                del host
+                bar.update(job.nbytes)
+            bar.update(total - bar.n)  # tensors the model does not use (rotary buffers, a tied lm_head)
+    finally:
+        for st in files:
+            st.close()
+    for leaf_path, stack in placer.stacks.items():
+        if len(placer.filled[leaf_path]) == _get(shapes, leaf_path)[0]:
+            _set(params, leaf_path, stack)
+    if cfg.norm_head and "lm_head" in params:
+        params["lm_head"] = _normalize_head_device(params["lm_head"], jnp.dtype(_get(dtypes, ("lm_head",))))
+    _check_complete(params, shapes, cfg, model_dir, placer.filled)
     return params
 
 
-def _to_jnp(arr: np.ndarray, dtype):
-    return jnp.asarray(np.asarray(arr, dtype=np.float32) if arr.dtype != dtype else arr, dtype=dtype)
+def _plan(st: SafetensorsFile, name: str, info: TensorInfo, cfg: ModelConfig, shapes: Params,
+          dtypes: Params) -> list[_Job]:
+    """The reads that load tensor ``name`` (none if the model does not use it); shape errors surface here."""
+    path = st.path
+    try:
+        parts = hf_tensor_parts(cfg, name)
+    except _Unsupported as e:
+        raise CheckpointError(f"{path}: tensor '{name}' {e}") from None
+    parts = [p for p in parts or () if _has(shapes, p.path)]
+    if not parts:  # not a weight (rotary buffers), a tied lm_head, or biases the config does not use
+        return []
+    expected = _expected_hf_shape(cfg, shapes, parts)
+    if info.shape != expected:
+        raise CheckpointError(f"{path}: tensor '{name}' has shape {info.shape}, expected {expected} "
+                              f"from config.json")
+    targets = []
+    for part in parts:
+        target = jnp.dtype(_get(dtypes, part.path))
+        if part.path == ("lm_head",) and cfg.norm_head:
+            target = jnp.dtype(jnp.float32)  # normalised in float32 after loading, then cast
+        if part.expert is not None and part.expert >= _get(shapes, part.path)[0]:
+            raise CheckpointError(f"{path}: tensor '{name}' is for expert {part.expert} but the config has "
+                                  f"num_experts={_get(shapes, part.path)[0]}")
+        targets.append(target)
+    if parts[0].expert is not None:
+        return [_Job(st, name, info, parts, targets, "expert")]
+    if len(parts) == 1 and parts[0].convert == _ID and info.dtype == targets[0]:
+        return [_Job(st, name, info, parts, targets, "whole")]
+    rows = info.shape[0] if info.shape else 1
+    if info.nbytes <= CHUNK_BYTES or rows < 2 or any(p.convert[0] not in _CHUNKABLE for p in parts):
+        return [_Job(st, name, info, parts, targets, "convert")]
+    per_chunk = max(1, CHUNK_BYTES // (info.nbytes // rows))
+    return [_Job(st, name, info, parts, targets, "chunk", r0, min(per_chunk, rows - r0), r0 + per_chunk >= rows)
+            for r0 in range(0, rows, per_chunk)]
 
 
 def _has(shapes, path) -> bool:
@@ -433,7 +733,7 @@ def _check_complete(params: Params, shapes: Params, cfg: ModelConfig, model_dir:
         if _has(params, path):
             continue
         if path[-2:-1] == ("moe",) and path[-1] in ("gate", "up", "down"):
-            seen = (expert_rows or {}).get(path, {})
+            seen = (expert_rows or {}).get(path, ())
             names += [hf_name_for(cfg, path, e) for e in range(shape[0]) if e not in seen]
         else:
             names.append(hf_name_for(cfg, path))

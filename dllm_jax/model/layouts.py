@@ -1,0 +1,546 @@
+"""Checkpoint directories in the layouts SDAR / SDAR-MoE / LLaDA2 are published in, with random weights.
+
+The tests' fixtures and the load benchmark (``python -m bench load``) both write their checkpoints here, so the
+layout the tests check is the one the benchmark measures. A published directory has:
+
+* ``config.json`` with every key the published ones carry, used or not (``auto_map`` into remote code,
+  ``attn_implementation: "flex_attention"``, ``fuse_cross_entropy``, ``micro_forward``, ``use_deepep``, ...);
+* bfloat16 weights in sharded safetensors (``model-0000k-of-0000n.safetensors``) plus
+  ``model.safetensors.index.json``;
+* ``generation_config.json`` (an EOS list and sampling defaults);
+* a Qwen2 tokenizer given only as ``vocab.json`` + ``merges.txt`` + ``tokenizer_config.json`` +
+  ``added_tokens.json`` (no ``tokenizer.json``), and ``chat_template.jinja`` (SDAR), or ``tokenizer.json`` with
+  the template in ``tokenizer_config.json`` (LLaDA2);
+* the remote-code ``.py`` files ``auto_map`` names (here: modules that raise on import, so a loader that imports
+  them fails loudly).
+
+Weights are generated and written one tensor at a time, so a full-size checkpoint (the 1.7B shape: 3.2 GiB) is
+written in bounded memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Iterator
+
+import ml_dtypes  # ships with jax: bfloat16 as a numpy dtype
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+SDAR_MASK_TOKEN = "<|MASK|>"
+LLADA2_MASK_TOKEN = "<|mask|>"
+
+# ----------------------------------------------------------------------------------------------
+# config.json / generation_config.json
+# ----------------------------------------------------------------------------------------------
+
+# The SDAR-1.7B-Chat shape (Qwen3-1.7B): what `python -m bench load` writes at full depth.
+SDAR_1P7B_SHAPE = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+
+
+def sdar_config(*, vocab_size: int, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
+                num_attention_heads: int, num_key_value_heads: int, head_dim: int, tie_word_embeddings: bool = True,
+                mask_token_id: int | None = 151669, block_size: int | None = 4, bos_token_id: int = 151643,
+                eos_token_id: int = 151643, max_position_embeddings: int = 32768) -> dict:
+    """A dense SDAR ``config.json`` with the published keys (``model_type: "sdar"``, remote-code ``auto_map``)."""
+    cfg = {
+        "architectures": ["SDARForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attn_implementation": "flex_attention",
+        "auto_map": {
+            "AutoConfig": "configuration_sdar.SDARConfig",
+            "AutoModel": "modeling_sdar.SDARModel",
+            "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM",
+        },
+        "bos_token_id": bos_token_id,
+        "debug": False,
+        "eos_token_id": eos_token_id,
+        "ep_size": 1,
+        "fuse_cross_entropy": True,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "hidden_size": hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": intermediate_size,
+        "max_position_embeddings": max_position_embeddings,
+        "max_window_layers": num_hidden_layers,
+        "micro_forward": False,
+        "model_type": "sdar",
+        "num_attention_heads": num_attention_heads,
+        "num_hidden_layers": num_hidden_layers,
+        "num_key_value_heads": num_key_value_heads,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "skip_checkpoint": False,
+        "sliding_window": None,
+        "tie_word_embeddings": tie_word_embeddings,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.52.4",
+        "use_cache": False,
+        "use_deepep": False,
+        "use_sliding_window": False,
+        "vocab_size": vocab_size,
+    }
+    if mask_token_id is not None:
+        cfg["mask_token_id"] = mask_token_id
+    if block_size is not None:
+        cfg["block_size"] = block_size
+    return cfg
+
+
+def sdar_moe_config(*, num_experts: int, num_experts_per_tok: int, moe_intermediate_size: int,
+                    norm_topk_prob: bool = True, mlp_only_layers=(), **dense) -> dict:
+    """An SDAR-MoE (SDAR-30B-A3B style, Qwen3-MoE backbone) ``config.json`` with the published keys."""
+    cfg = sdar_config(**dense)
+    cfg.update({
+        "architectures": ["SDARMoeForCausalLM"],
+        "model_type": "sdar_moe",
+        "auto_map": {
+            "AutoConfig": "configuration_sdar_moe.SDARMoeConfig",
+            "AutoModel": "modeling_sdar_moe.SDARMoeModel",
+            "AutoModelForCausalLM": "modeling_sdar_moe.SDARMoeForCausalLM",
+        },
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(mlp_only_layers),
+        "moe_intermediate_size": moe_intermediate_size,
+        "norm_topk_prob": norm_topk_prob,
+        "num_experts": num_experts,
+        "num_experts_per_tok": num_experts_per_tok,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+    })
+    return cfg
+
+
+def llada2_config(*, vocab_size: int, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
+                  num_attention_heads: int, num_key_value_heads: int, head_dim: int, num_experts: int,
+                  num_experts_per_tok: int, moe_intermediate_size: int, n_group: int, topk_group: int,
+                  num_shared_experts: int = 1, first_k_dense_replace: int = 1, eos_token_id: int = 156892,
+                  pad_token_id: int = 156892, max_position_embeddings: int = 16384) -> dict:
+    """A LLaDA2.0-mini style ``config.json`` (``LLaDA2MoeModelLM``) with the published keys. No mask id in it:
+    the mask token (``<|mask|>``) comes from the tokenizer."""
+    return {
+        "architectures": ["LLaDA2MoeModelLM"],
+        "attention_dropout": 0.0,
+        "auto_map": {
+            "AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig",
+            "AutoModel": "modeling_llada2_moe.LLaDA2MoeModel",
+            "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM",
+        },
+        "embedding_dropout": 0.0,
+        "eos_token_id": eos_token_id,
+        "first_k_dense_replace": first_k_dense_replace,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "hidden_size": hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": intermediate_size,
+        "max_position_embeddings": max_position_embeddings,
+        "max_window_layers": num_hidden_layers,
+        "model_type": "llada2_moe",
+        "moe_intermediate_size": moe_intermediate_size,
+        "moe_router_enable_expert_bias": True,
+        "moe_shared_expert_intermediate_size": moe_intermediate_size,
+        "n_group": n_group,
+        "norm_head": False,
+        "norm_softmax": False,
+        "norm_topk_prob": True,
+        "num_attention_heads": num_attention_heads,
+        "num_experts": num_experts,
+        "num_experts_per_tok": num_experts_per_tok,
+        "num_hidden_layers": num_hidden_layers,
+        "num_key_value_heads": num_key_value_heads,
+        "num_shared_experts": num_shared_experts,
+        "output_dropout": 0.0,
+        "output_router_logits": False,
+        "pad_token_id": pad_token_id,
+        "partial_rotary_factor": 0.5,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 600000,
+        "rotary_dim": head_dim // 2,
+        "routed_scaling_factor": 2.5,
+        "router_dtype": "fp32",
+        "score_function": "sigmoid",
+        "tie_word_embeddings": False,
+        "topk_group": topk_group,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.52.3",
+        "use_bias": False,
+        "use_cache": True,
+        "use_qk_norm": True,
+        "use_qkv_bias": False,
+        "use_rmsnorm": True,
+        "use_sliding_window": False,
+        "using_split_qkv_in_self_attention": False,
+        "vocab_size": vocab_size,
+    }
+
+
+def sdar_generation_config(eos_token_ids=(151645, 151643), pad_token_id: int = 151643,
+                           bos_token_id: int = 151643) -> dict:
+    """SDAR's ``generation_config.json`` (Qwen3's: an EOS list and sampling defaults)."""
+    return {"bos_token_id": bos_token_id, "do_sample": True, "eos_token_id": list(eos_token_ids),
+            "pad_token_id": pad_token_id, "temperature": 0.6, "top_k": 20, "top_p": 0.95,
+            "transformers_version": "4.52.4"}
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights: names and shapes in the published layout, random values, sharded safetensors
+# ----------------------------------------------------------------------------------------------
+
+def tensor_specs(config: dict) -> list[tuple[str, tuple, str]]:
+    """``(name, shape, kind)`` of every tensor the published checkpoint of ``config`` holds, in module order;
+    ``kind`` is ``"norm"``, ``"bias"``, ``"embed"`` or ``"matrix"`` (how :func:`random_tensor` fills it)."""
+    h, d = config["hidden_size"], config["head_dim"]
+    nq, nkv = config["num_attention_heads"], config["num_key_value_heads"]
+    vocab, layers = config["vocab_size"], config["num_hidden_layers"]
+    llada2 = config["model_type"] == "llada2_moe"
+    out: list[tuple[str, tuple, str]] = [
+        ("model.word_embeddings.weight" if llada2 else "model.embed_tokens.weight", (vocab, h), "embed")]
+    num_experts = config.get("num_experts") or 0
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out.append((p + "input_layernorm.weight", (h,), "norm"))
+        if llada2:
+            out.append((p + "attention.query_key_value.weight", ((nq + 2 * nkv) * d, h), "matrix"))
+            out.append((p + "attention.query_layernorm.weight", (d,), "norm"))
+            out.append((p + "attention.key_layernorm.weight", (d,), "norm"))
+            out.append((p + "attention.dense.weight", (h, nq * d), "matrix"))
+        else:
+            out += [(p + "self_attn.q_proj.weight", (nq * d, h), "matrix"),
+                    (p + "self_attn.k_proj.weight", (nkv * d, h), "matrix"),
+                    (p + "self_attn.v_proj.weight", (nkv * d, h), "matrix"),
+                    (p + "self_attn.o_proj.weight", (h, nq * d), "matrix"),
+                    (p + "self_attn.q_norm.weight", (d,), "norm"),
+                    (p + "self_attn.k_norm.weight", (d,), "norm")]
+        out.append((p + "post_attention_layernorm.weight", (h,), "norm"))
+        if llada2:
+            sparse = num_experts and i >= config["first_k_dense_replace"]
+        else:
+            sparse = num_experts and i not in config.get("mlp_only_layers", []) and \
+                (i + 1) % config.get("decoder_sparse_step", 1) == 0
+        if not sparse:
+            m = config["intermediate_size"]
+            out += [(p + "mlp.gate_proj.weight", (m, h), "matrix"), (p + "mlp.up_proj.weight", (m, h), "matrix"),
+                    (p + "mlp.down_proj.weight", (h, m), "matrix")]
+            continue
+        m = config["moe_intermediate_size"]
+        out.append((p + "mlp.gate.weight", (num_experts, h), "router"))
+        if llada2 and config.get("moe_router_enable_expert_bias"):
+            out.append((p + "mlp.gate.expert_bias", (num_experts,), "expert_bias"))
+        for e in range(num_experts):
+            q = f"{p}mlp.experts.{e}."
+            out += [(q + "gate_proj.weight", (m, h), "matrix"), (q + "up_proj.weight", (m, h), "matrix"),
+                    (q + "down_proj.weight", (h, m), "matrix")]
+        if llada2 and config.get("num_shared_experts"):
+            s = config["moe_shared_expert_intermediate_size"] * config["num_shared_experts"]
+            q = p + "mlp.shared_experts."
+            out += [(q + "gate_proj.weight", (s, h), "matrix"), (q + "up_proj.weight", (s, h), "matrix"),
+                    (q + "down_proj.weight", (h, s), "matrix")]
+    out.append(("model.norm.weight", (h,), "norm"))
+    if not config.get("tie_word_embeddings", False):
+        out.append(("lm_head.weight", (vocab, h), "matrix"))
+    return out
+
+
+def random_tensor(rng: np.random.Generator, shape: tuple, kind: str, *, std: float, embed_std: float) -> np.ndarray:
+    """Random values for one tensor, as bfloat16 (the expert bias as float32, as LLaDA2 stores it)."""
+    if kind == "norm":
+        a = 1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)
+    elif kind == "expert_bias":
+        return (0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+    else:
+        scale = embed_std if kind == "embed" else 2.0 * std if kind == "router" else std
+        a = rng.standard_normal(shape, dtype=np.float32)
+        a *= scale
+    return a.astype(BF16)
+
+
+def write_safetensors(path: str, tensors: list[tuple[str, tuple, np.dtype]], fill) -> None:
+    """Write one safetensors file, tensor by tensor: ``fill(name)`` returns the array (never all at once)."""
+    dtype_names = {np.dtype(np.float32): "F32", BF16: "BF16", np.dtype(np.float16): "F16"}
+    header, offset = {}, 0
+    for name, shape, dtype in tensors:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        header[name] = {"dtype": dtype_names[np.dtype(dtype)], "shape": list(shape), "data_offsets": [offset,
+                                                                                                    offset + nbytes]}
+        offset += nbytes
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name, shape, dtype in tensors:
+            a = np.ascontiguousarray(fill(name))
+            if a.shape != tuple(shape) or a.dtype != np.dtype(dtype):
+                raise ValueError(f"{name}: fill returned {a.dtype}{a.shape}, declared {np.dtype(dtype)}{tuple(shape)}")
+            f.write(a.tobytes())
+
+
+def write_sharded(out_dir: str, specs: list[tuple[str, tuple, np.dtype]], fill, *, max_shard_bytes: int) -> list[str]:
+    """Sharded safetensors in the Hugging Face naming (``model-00001-of-00004.safetensors``) plus
+    ``model.safetensors.index.json``. Returns the shard paths."""
+    shards: list[list] = [[]]
+    size = 0
+    for spec in specs:
+        nbytes = int(np.prod(spec[1], dtype=np.int64)) * np.dtype(spec[2]).itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += nbytes
+    n = len(shards)
+    weight_map, paths, total = {}, [], 0
+    for k, shard in enumerate(shards, 1):
+        fn = f"model-{k:05d}-of-{n:05d}.safetensors"
+        write_safetensors(os.path.join(out_dir, fn), shard, fill)
+        paths.append(os.path.join(out_dir, fn))
+        for name, shape, dtype in shard:
+            weight_map[name] = fn
+            total += int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return paths
+
+
+def write_weights(out_dir: str, config: dict, *, seed: int = 0, std: float = 0.02, embed_std: float = 0.02,
+                  max_shard_bytes: int = 1 << 30, keep: dict | None = None) -> list[str]:
+    """Random weights for ``config`` in its published layout (bf16, sharded). Each tensor is generated when it is
+    written (bounded memory; deterministic per name and seed). ``keep``, if given, receives every tensor (tests
+    that compare against a reference need the values)."""
+    specs = tensor_specs(config)
+    kinds = {name: kind for name, _, kind in specs}
+    shapes = {name: shape for name, shape, _ in specs}
+
+    def fill(name):
+        rng = np.random.default_rng([seed, _stable_hash(name)])
+        a = random_tensor(rng, shapes[name], kinds[name], std=std, embed_std=embed_std)
+        if keep is not None:
+            keep[name] = a
+        return a
+
+    declared = [(name, shape, np.float32 if kind == "expert_bias" else BF16) for name, shape, kind in specs]
+    return write_sharded(out_dir, declared, fill, max_shard_bytes=max_shard_bytes)
+
+
+def _stable_hash(name: str) -> int:
+    import zlib
+
+    return zlib.crc32(name.encode())
+
+
+def checkpoint_bytes(model_dir: str) -> int:
+    """Bytes of the safetensors data (what "the checkpoint's bytes" means in the load targets)."""
+    return sum(os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir)
+               if f.endswith(".safetensors"))
+
+
+def write_remote_code_traps(out_dir: str, config: dict, tokenizer_config: dict | None = None) -> list[str]:
+    """The ``.py`` files ``auto_map`` names, each raising on import (and leaving a ``REMOTE_CODE_IMPORTED``
+    file beside it), so a loader that imports the directory's code fails instead of passing silently."""
+    modules = set()
+    for ref in (config.get("auto_map") or {}).values():
+        modules.add(ref.split(".")[0])
+    for refs in ((tokenizer_config or {}).get("auto_map") or {}).values():
+        for ref in refs if isinstance(refs, list) else [refs]:
+            if ref:
+                modules.add(ref.split(".")[0])
+    paths = []
+    for module in sorted(modules):
+        path = os.path.join(out_dir, module + ".py")
+        with open(path, "w") as f:
+            f.write("import os\n"
+                    "open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'REMOTE_CODE_IMPORTED'), 'a')"
+                    ".write(__name__ + '\\n')\n"
+                    f"raise RuntimeError('remote code {module}.py was imported: loading must never run it')\n")
+        paths.append(path)
+    return paths
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer: a small Qwen2-style byte-level BPE, saved as the published files
+# ----------------------------------------------------------------------------------------------
+
+# Qwen2's pre-tokenizer split (the regex its tokenizer.json carries).
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
+
+# Added tokens in Qwen3's order (their ids follow the BPE vocabulary); SDAR appends <|MASK|>.
+QWEN3_ADDED_TOKENS = (
+    ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True), ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True), ("<|box_start|>", True), ("<|box_end|>", True), ("<|quad_start|>", True),
+    ("<|quad_end|>", True), ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
+    ("<|image_pad|>", True), ("<|video_pad|>", True), ("<tool_call>", False), ("</tool_call>", False),
+    ("<|fim_prefix|>", False), ("<|fim_middle|>", False), ("<|fim_suffix|>", False), ("<|fim_pad|>", False),
+    ("<|repo_name|>", False), ("<|file_sep|>", False), ("<tool_response>", False), ("</tool_response>", False),
+    ("<think>", False), ("</think>", False), (SDAR_MASK_TOKEN, True),
+)
+LLADA2_ADDED_TOKENS = (("<|endoftext|>", True), ("<role>", True), ("</role>", True), ("<|role_end|>", True),
+                       ("<think>", False), ("</think>", False), (LLADA2_MASK_TOKEN, True))
+
+_CORPUS_WORDS = ("the a an of to in is was and for on with as by at from that this it be are or not you we they "
+                 "hello world count number one two three four five six seven eight nine ten answer question "
+                 "please tell me story about weather today tomorrow city river mountain apple banana cherry "
+                 "function call tool result system user assistant think reason step first then finally "
+                 "python code json list dict value key name time date good bad yes no why how what where").split()
+
+
+def train_bpe(vocab_size: int, seed: int = 0):
+    """A byte-level BPE with Qwen2's pre-tokenizer, trained offline in milliseconds on a synthetic corpus."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    rng = np.random.default_rng(seed)
+    corpus = []
+    for _ in range(2000):
+        words = rng.choice(_CORPUS_WORDS, size=int(rng.integers(4, 16)))
+        corpus.append(" ".join(words) + (". " if rng.random() < 0.5 else ", ") + str(int(rng.integers(0, 1000))))
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=[], show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    return tok
+
+
+def write_qwen2_tokenizer(out_dir: str, *, bpe_vocab: int = 400, added=QWEN3_ADDED_TOKENS,
+                          eos_token: str = "<|im_end|>", pad_token: str = "<|endoftext|>", remote_code: bool = True,
+                          chat_template: str | None = None) -> dict[str, int]:
+    """The Qwen2 tokenizer files SDAR ships: ``vocab.json``, ``merges.txt``, ``tokenizer_config.json``,
+    ``added_tokens.json`` (no ``tokenizer.json``) and ``chat_template.jinja``. Returns the added tokens' ids."""
+    tok = train_bpe(bpe_vocab)
+    tok.model.save(out_dir)  # vocab.json + merges.txt
+    base = tok.get_vocab_size()
+    ids = {content: base + i for i, (content, _) in enumerate(added)}
+    with open(os.path.join(out_dir, "added_tokens.json"), "w") as f:
+        json.dump(ids, f, indent=2)
+    decoder = {str(ids[c]): {"content": c, "lstrip": False, "normalized": False, "rstrip": False,
+                             "single_word": False, "special": special} for c, special in added}
+    cfg = {
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": decoder,
+        "additional_special_tokens": [c for c, special in added if special and c not in (eos_token, pad_token)],
+        "bos_token": None,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": eos_token,
+        "errors": "replace",
+        "extra_special_tokens": {},
+        "model_max_length": 131072,
+        "pad_token": pad_token,
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }
+    if remote_code:
+        cfg["auto_map"] = {"AutoTokenizer": ["tokenization_qwen2.Qwen2Tokenizer",
+                                             "tokenization_qwen2_fast.Qwen2TokenizerFast"]}
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    with open(os.path.join(out_dir, "chat_template.jinja"), "w") as f:
+        f.write(QWEN3_CHAT_TEMPLATE if chat_template is None else chat_template)
+    return ids
+
+
+def write_fast_tokenizer(out_dir: str, *, bpe_vocab: int = 400, added=LLADA2_ADDED_TOKENS,
+                         eos_token: str = "<|endoftext|>", chat_template: str | None = None) -> dict[str, int]:
+    """LLaDA2's tokenizer files: ``tokenizer.json`` and ``tokenizer_config.json`` (``PreTrainedTokenizerFast``,
+    the chat template inside). Returns the added tokens' ids."""
+    from tokenizers import AddedToken
+
+    tok = train_bpe(bpe_vocab)
+    base = tok.get_vocab_size()
+    tok.add_tokens([AddedToken(c, special=s, normalized=False) for c, s in added])
+    ids = {content: base + i for i, (content, _) in enumerate(added)}
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    from dllm_jax.model.templates import LLADA2_CHAT_TEMPLATE
+
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_token, "pad_token": eos_token,
+           "mask_token": LLADA2_MASK_TOKEN, "clean_up_tokenization_spaces": False, "model_max_length": 32768,
+           "chat_template": LLADA2_CHAT_TEMPLATE if chat_template is None else chat_template,
+           "auto_map": {"AutoTokenizer": ["tokenization_bailing.BailingTokenizer", None]}}
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    return ids
+
+
+# A Qwen3-style chat template (system prompt, tools, multi-turn, tool calls and responses, thinking blocks and
+# ``enable_thinking``), written for these fixtures in the structure of the published one.
+QWEN3_CHAT_TEMPLATE = """\
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
+{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with \
+function signatures within <tools></tools> XML tags:\\n<tools>' }}
+{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}
+{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n\
+</tool_call><|im_end|>\\n' }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(last_query=messages|length - 1, seen_query=false) %}
+{%- for message in messages[::-1] %}
+{%- set i = messages|length - 1 - loop.index0 %}
+{%- if not ns.seen_query and message.role == 'user' and not (message.content is string and \
+message.content.startswith('<tool_response>')) %}
+{%- set ns.last_query = i %}{%- set ns.seen_query = true %}
+{%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+{%- set content = message.content if message.content is string else '' %}
+{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
+{%- elif message.role == 'assistant' %}
+{%- set reasoning = message.reasoning_content if message.reasoning_content is string else '' %}
+{%- if not reasoning and '</think>' in content %}
+{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}
+{%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+{%- endif %}
+{{- '<|im_start|>assistant\\n' }}
+{%- if loop.index0 > ns.last_query and (loop.last or reasoning) %}
+{{- '<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' }}
+{%- endif %}
+{{- content }}
+{%- for call in message.tool_calls or [] %}
+{%- set fn = call.function if call.function else call %}
+{%- if loop.first and content %}{{- '\\n' }}{%- endif %}
+{{- '\\n<tool_call>\\n{"name": "' + fn.name + '", "arguments": ' }}
+{{- fn.arguments if fn.arguments is string else fn.arguments | tojson }}
+{{- '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}
+{%- endif %}
+"""
+
+
+def padded_vocab(num_tokens: int, multiple: int = 64) -> int:
+    """The config's ``vocab_size``: the tokenizer's size rounded up (Qwen pads 151,669 tokens to 151,936)."""
+    return int(math.ceil(num_tokens / multiple) * multiple)
+
+
+def iter_tensors(config: dict, seed: int = 0, std: float = 0.02, embed_std: float = 0.02) -> Iterator:
+    """``(name, bf16 array)`` of :func:`write_weights`' tensors without writing them (same values)."""
+    for name, shape, kind in tensor_specs(config):
+        rng = np.random.default_rng([seed, _stable_hash(name)])
+        yield name, random_tensor(rng, shape, kind, std=std, embed_std=embed_std)
