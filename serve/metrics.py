@@ -94,7 +94,8 @@ class ServerMetrics:
                                 "Requests submitted by this server that finished, by finish reason", ["reason"],
                                 registry=r)
         self.client_aborts = Counter(f"{PREFIX}_client_disconnects",
-                                     "Requests aborted because their client went away", registry=r)
+                                     "Requests unfinished when their client went away (each is aborted; one that "
+                                     "finishes before the abort reaches the engine ends normally)", registry=r)
         self.completion_tokens = Counter(f"{PREFIX}_request_completion_tokens",
                                          "Completion tokens of finished requests", registry=r)
         self.request_forwards = Counter(f"{PREFIX}_request_forward_passes",

@@ -163,6 +163,8 @@ def test_playground_in_a_real_browser(server, client):
             page.wait_for_selector("#status[data-state=done]", timeout=30_000)
             shown = page.locator("#transcript li.assistant").last.text_content()
             seen = page.evaluate("window.__seen")
+            frames = int(page.text_content("#stat-frames"))
+            tpf = float(page.text_content("#stat-tpf"))
 
             # a second turn: the key is not asked again, and the page sends the whole conversation
             second = "Count down 5 steps from 20."
@@ -171,8 +173,6 @@ def test_playground_in_a_real_browser(server, client):
             page.wait_for_selector("#transcript li.assistant:nth-of-type(2)[data-state=done]", timeout=30_000)
             shown2 = page.locator("#transcript li.assistant").last.text_content()
             assert not page.is_visible("#key-dialog")
-            frames = int(page.text_content("#stat-frames"))
-            tpf = page.text_content("#stat-tpf")
             assert not errors, errors
         finally:
             browser.close()
@@ -189,4 +189,6 @@ def test_playground_in_a_real_browser(server, client):
     assert body2["messages"] == [{"role": "user", "content": prompt}, {"role": "assistant", "content": shown},
                                  {"role": "user", "content": second}]
     assert shown2 == _answer(client, body2["messages"])
-    assert frames >= 0 and float(tpf) > 1  # several tokens per forward, shown
+    # the first turn's statistics: its provisional frames counted, several tokens per forward (the shipped model
+    # is trained on single-turn prompts only, so the second turn's answer may be short)
+    assert frames >= 1 and tpf > 1, (frames, tpf)

@@ -645,20 +645,24 @@ def test_disconnect_aborts_and_returns_pages(client, engine, examples):
         'dllm_server_requests_finished_total{"reason": "abort"}', 0) == 1
     assert m1["dllm_generation_tokens_total"] - m0["dllm_generation_tokens_total"] < 400
 
-    # non-streaming: the client times out and goes away; its unfinished requests are aborted as well. Two waves
-    # of the longest answers the context allows (one such request alone can finish within the client's timeout)
+    # non-streaming: the client times out and goes away; its unfinished requests are aborted as well. As many of
+    # the longest answers the context allows as the server admits (running + queued: eight waves), so that work is
+    # left long after the client's timeout plus the server's disconnect poll, however fast the machine
     m0 = m1
     longest = {"max_new_tokens": CONTEXT - 8, "ignore_eos": True, **GREEDY}
-    body = {"input_ids": [[5, 6, 7 + i] for i in range(2 * MAX_RUNNING)], "sampling_params": longest}
+    n = MAX_RUNNING + MAX_QUEUED
+    body = {"input_ids": [[5, 6, 7 + i] for i in range(n)], "sampling_params": longest}
     with pytest.raises(httpx.ReadTimeout):
         client.post("/generate", json=body, timeout=httpx.Timeout(120, read=0.2))
     wait_idle(client, timeout=30)
     m1 = metrics(client)
     aborted = m1["dllm_client_disconnects_total"] - m0["dllm_client_disconnects_total"]
-    assert 1 <= aborted <= 2 * MAX_RUNNING
-    assert m1['dllm_server_requests_finished_total{"reason": "abort"}'] - m0[
-        'dllm_server_requests_finished_total{"reason": "abort"}'] == aborted
-    assert m1["dllm_generation_tokens_total"] - m0["dllm_generation_tokens_total"] < 2 * MAX_RUNNING * (CONTEXT - 8)
+    assert 1 <= aborted <= n
+    # a request in its last step when the client left may finish before the abort reaches the engine
+    ended_by_abort = m1['dllm_server_requests_finished_total{"reason": "abort"}'] - m0[
+        'dllm_server_requests_finished_total{"reason": "abort"}']
+    assert 1 <= ended_by_abort <= aborted
+    assert m1["dllm_generation_tokens_total"] - m0["dllm_generation_tokens_total"] < n * (CONTEXT - 8)
     assert_serving(client)
 
 
