@@ -84,8 +84,7 @@ def error_from_validation(exc: RequestValidationError) -> ApiError:
         if kind == "missing":
             return ApiError(400, "body: a JSON object is required", "body")
         if kind in ("model_type", "model_attributes_type", "dict_type"):
-            hint = " (is the Content-Type application/json?)" if isinstance(e.get("input"), bytes) else ""
-            return ApiError(400, f"body: must be a JSON object{hint}", "body")
+            return ApiError(400, "body: must be a JSON object", "body")
         return ApiError(400, f"body: {msg}", "body")
     if kind == "extra_forbidden":
         msg = "unknown field"

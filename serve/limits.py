@@ -4,6 +4,9 @@
   key itself) needs ``Authorization: Bearer KEY``: 401 with ``WWW-Authenticate: Bearer`` otherwise, before the body
   is read.
 * Bodies over ``max_request_bytes`` are 413, by ``Content-Length`` or while they are read.
+* A POST body is JSON whatever its ``Content-Type`` says (as SGLang, which reads ``request.json()``): ``curl -d``
+  sends ``application/x-www-form-urlencoded``, and a README command must not need ``-H``. A body that is not JSON
+  is a 400 naming it.
 * Every response is counted in ``dllm_http_responses_total{endpoint, status}`` (unknown paths as ``other``) and
   every refusal here in ``dllm_rejected_requests_total{reason}``.
 
@@ -57,6 +60,8 @@ class Gate:
             self._count("too_large")
             err = ApiError(413, f"body: the request body has {length} bytes; the limit is {limit}", "body")
             return await err.response()(scope, receive, send_wrapper)
+        if scope.get("method") == "POST":
+            scope = as_json_body(scope)
         received = 0
 
         async def receive_wrapper():
@@ -80,6 +85,15 @@ class Gate:
         scheme, _, token = value.partition(" ")
         return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(),
                                                                      self.settings.api_key.encode())
+
+
+def as_json_body(scope) -> dict:
+    """``scope`` with its body declared JSON (the header replaced when it names another type)."""
+    ctype = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
+    if ctype == "application/json" or ctype.endswith("+json"):
+        return scope
+    headers = [(k, v) for k, v in scope.get("headers", ()) if k.lower() != b"content-type"]
+    return dict(scope, headers=headers + [(b"content-type", b"application/json")])
 
 
 def _header(scope, name: bytes) -> str | None:

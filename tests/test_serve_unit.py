@@ -74,12 +74,16 @@ def _sse(text: str) -> list:
 def test_in_process_app_incremental_streaming(tiny_model):
     """``create_app`` over an engine built by the caller; ``--incremental-streaming-output`` sends only the new part
     of each block, and the parts add up to the non-streaming answer. A tokenizer-less model answers text with 400."""
+    import json
+
     from fastapi.testclient import TestClient
 
     import dllm_jax
     from serve import ServerSettings, create_app
 
-    engine = dllm_jax.Engine(tiny_model, max_running_requests=2, context_length=64)
+    from conftest import ENGINE_KW
+
+    engine = dllm_jax.Engine(tiny_model, **ENGINE_KW)  # the engine tests' shapes: compiled programs are cache hits
     app = create_app(engine, ServerSettings(incremental_streaming_output=True, max_queued_requests=2),
                      own_engine=False)
     body = {"input_ids": [5, 6, 7, 8, 9], "sampling_params": {"max_new_tokens": 20, "ignore_eos": True}}
@@ -95,7 +99,13 @@ def test_in_process_app_incremental_streaming(tiny_model):
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
         load = client.get("/internal/load").json()
-        assert load["server_capacity"] == 4 and load["server_inflight"] == 0
+        assert load["server_capacity"] == ENGINE_KW["max_running_requests"] + 2 and load["server_inflight"] == 0
+        # `curl -d` sends JSON as application/x-www-form-urlencoded: read as JSON all the same (as SGLang)
+        form = {"Content-Type": "application/x-www-form-urlencoded"}
+        r = client.post("/generate", content=json.dumps(body), headers=form)
+        assert r.status_code == 200 and r.json()["output_ids"] == whole["output_ids"]
+        r = client.post("/generate", content=b"text=hello", headers=form)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("body: malformed JSON")
     # the app did not own the engine: it is still usable, and every page came back
     assert engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3})["meta_info"][
         "completion_tokens"] == 3
