@@ -194,14 +194,20 @@ class Batch:
         """Wait until every request finished; abort them if the client disconnects meanwhile."""
         pending = len(self.reqs)
         getter = None
+        poll = self.server.settings.disconnect_poll_s
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + poll
         try:
             while pending:
                 if getter is None:
                     getter = asyncio.ensure_future(self.queue.get())
-                done, _ = await asyncio.wait({getter}, timeout=self.server.settings.disconnect_poll_s)
-                if not done:
+                done, _ = await asyncio.wait({getter}, timeout=max(0.0, next_check - loop.time()))
+                # checked every poll interval even while requests keep finishing (a batch of many)
+                if loop.time() >= next_check:
                     if await request.is_disconnected():
                         raise ClientGone()
+                    next_check = loop.time() + poll
+                if not done:
                     continue
                 _, chunk = getter.result()
                 getter = None
