@@ -573,6 +573,12 @@ def efficiency(ctx: Ctx) -> dict:
     return run(ctx)
 
 
+def startup(ctx: Ctx) -> dict:
+    from bench.startup import startup as run
+
+    return run(ctx)
+
+
 SCENARIOS = {
     "baseline": baseline,
     "concurrency": concurrency,
@@ -585,6 +591,7 @@ SCENARIOS = {
     "radix": radix,
     "moe": moe,
     "efficiency": efficiency,
+    "startup": startup,
 }
 DEFAULT_SCENARIOS = ("baseline", "concurrency", "prefix", "long", "schedules", "engine", "efficiency", "moe",
                      "roofline")
