@@ -1,4 +1,4 @@
-"""``dllm-jax``: generate | eval | convert, plus the commands other packages register (serve, bench).
+"""``dllm-jax``: generate | eval | convert | plan, plus the commands other packages register (serve, bench).
 
 Engine options are shared by every subcommand that builds an engine (:func:`add_engine_arguments`), so
 ``dllm-jax serve`` and ``dllm-jax generate`` accept the same flags as ``Engine(...)``.
@@ -161,6 +161,12 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from dllm_jax.plan import run
+
+    return run(args)
+
+
 def main(argv=None) -> int:
     from dllm_jax import __version__
 
@@ -192,6 +198,12 @@ def main(argv=None) -> int:
     e.add_argument("--max-new-tokens", type=int, default=256)
     add_engine_arguments(e)
     e.set_defaults(fn=cmd_eval)
+
+    pl = sub.add_parser("plan", help="per-device memory of a model on a TP / EP mesh, without allocating")
+    from dllm_jax.plan import add_arguments as add_plan_arguments
+
+    add_plan_arguments(pl)
+    pl.set_defaults(fn=cmd_plan)
 
     for register in _plugin_commands():
         register(sub)
