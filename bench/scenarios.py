@@ -579,6 +579,12 @@ def startup(ctx: Ctx) -> dict:
     return run(ctx)
 
 
+def invariance(ctx: Ctx) -> dict:
+    from bench.invariance import invariance as run
+
+    return run(ctx)
+
+
 SCENARIOS = {
     "baseline": baseline,
     "concurrency": concurrency,
@@ -592,6 +598,7 @@ SCENARIOS = {
     "moe": moe,
     "efficiency": efficiency,
     "startup": startup,
+    "invariance": invariance,
 }
 DEFAULT_SCENARIOS = ("baseline", "concurrency", "prefix", "long", "schedules", "engine", "efficiency", "moe",
                      "roofline")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -150,8 +151,8 @@ def test_playground_in_a_real_browser(server, client):
             page.wait_for_selector("#key-dialog[open]", timeout=10_000)
             page.fill("#api-key", API_KEY)
             page.click("#key-form button[type=submit]")
-            page.wait_for_function("document.getElementById('info-algorithm').textContent.startsWith('LowConfidence')",
-                                   timeout=10_000)
+            # (a selector, not wait_for_function: its polling evaluates strings, which the page's CSP forbids)
+            page.locator("#info-algorithm", has_text=re.compile(r"^LowConfidence")).wait_for(timeout=10_000)
             assert page.text_content("#info-block") == "32"
             assert page.text_content("#info-model") == os.path.basename(DEFAULT_MODEL_PATH)
             page.evaluate(OBSERVER)
