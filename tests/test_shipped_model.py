@@ -51,17 +51,19 @@ def _cli(*args, timeout=300):
     proc = subprocess.run([sys.executable, "-m", "dllm_jax.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout
+    return proc
 
 
 def test_cli_generate_prints_the_answer():
+    """The answer on stdout; on stderr only our own lines (no framework banners or warnings)."""
     example = tasks.heldout_set(1)[0]
-    out = _cli("generate", example.prompt, "--max-new-tokens", "160")
-    assert tasks.is_correct(example, out.strip()), (example, out)
+    proc = _cli("generate", example.prompt, "--max-new-tokens", "160")
+    assert tasks.is_correct(example, proc.stdout.strip()), (example, proc.stdout)
+    assert all(line.startswith("dllm-jax: ") for line in proc.stderr.splitlines() if line.strip()), proc.stderr
 
 
 def test_cli_eval_ends_with_one_json_line():
-    out = _cli("eval", "--num-prompts", "6", "--max-running-requests", "8")
+    out = _cli("eval", "--num-prompts", "6", "--max-running-requests", "8").stdout
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["num_prompts"] == 6 and {"accuracy", "tokens_per_forward"} <= set(summary)
     assert summary["accuracy"] >= 0.8
