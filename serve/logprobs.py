@@ -1,6 +1,6 @@
 """Log probabilities in OpenAI's shapes, from the engine's SGLang-style lists.
 
-The engine (once it computes them; see :mod:`serve.features`) puts in ``meta_info``
+The engine (:meth:`dllm_jax.Engine.meta_info`, with ``return_logprob``) puts in ``meta_info``
 ``output_token_logprobs``: one ``[logprob, token_id, text | None]`` per output token, and with
 ``top_logprobs_num = k``, ``output_top_logprobs``: per output token a list of k such triples, most likely first.
 The lists grow with ``output_ids``, so a streamed chunk's entries are the slice of its new tokens.

@@ -10,6 +10,12 @@ blocks) and calls one of the functions below; the KV page pool is donated so its
   ``immutable`` mask and writes the block's K/V. With ``spec.loop`` it repeats that on the device
   (``lax.while_loop``) until every row is done: the synchronous schedule, with no host round trip per step.
   Without it, it runs exactly one step: the FDFO schedule.
+
+Two optional features compile as separate variants of the step (static fields of :class:`StepSpec`), so a batch
+that uses neither runs exactly the plain step: ``penalties`` (the batch carries :class:`Penalties`; see
+:mod:`dllm_jax.decode.penalties`) and ``logprobs`` / ``top_logprobs`` (the result carries, per position, the log
+probability of the token a step wrote and the alternatives of that same forward; see
+:mod:`dllm_jax.decode.logprobs`).
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ import jax.numpy as jnp
 from dllm_jax.config import ModelConfig
 from dllm_jax.decode.algorithms import Algorithm, Candidates, State
 from dllm_jax.decode.algorithms import entropy as entropy_of
+from dllm_jax.decode import logprobs as lp
 from dllm_jax.decode.backends import attention_function, confidence_stats
+from dllm_jax.decode.penalties import Penalties, apply_penalties
 from dllm_jax.model.qwen3 import forward_chunk, lm_head_matrix
 
 
@@ -46,6 +54,15 @@ class StepSpec:
     # call, where the next block reads it (the model writes K/V before attending), saving one sequential
     # forward per block with identical tokens.
     fold_commit: bool = False
+    penalties: bool = False  # the batch carries Penalties (some row has a penalty or bias)
+    logprobs: bool = False  # record the log probability of every token a step writes
+    top_logprobs: int = 0  # and the k most likely alternatives of that forward (0: none)
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether the step materialises the ``[R, B, V]`` logits (else only the fused confidence figures)."""
+        algo = self.algorithm
+        return self.sampling or self.penalties or algo.needs_logits or algo.needs_entropy
 
     @property
     def max_steps(self) -> int:
@@ -69,6 +86,7 @@ class DenoiseBatch:
     top_p: jax.Array  # [R] f32 (1 = off)
     seed: jax.Array  # [R] uint32: per-request sampling seed
     rng_step: jax.Array  # [R] int32: position of this step in the request's generation (folded into the key)
+    penalties: Penalties | None = None  # only in the penalties variant
 
 
 @jax.tree_util.register_dataclass
@@ -79,6 +97,7 @@ class DenoiseResult:
     steps: jax.Array  # [R] int32: forwards that served each row in this call
     state: State
     fresh_kv: jax.Array  # [R] bool: the block's page holds the KV of its final tokens (else: refresh it)
+    logprobs: lp.LogprobRecord | None = None  # only in the logprobs variant
 
 
 def _model_forward(params, kv_pages, tokens, page_table, prefix_len, write_pages, spec: StepSpec):
@@ -131,28 +150,72 @@ def _sample(logits, batch: DenoiseBatch):
     return drawn, relative
 
 
-def candidates(params, hidden, batch: DenoiseBatch, spec: StepSpec) -> Candidates:
+@dataclasses.dataclass
+class _Scores:
+    """What the logprob figures of a step are computed from (see :mod:`dllm_jax.decode.logprobs`)."""
+
+    logits: jax.Array | None  # [R, B, V] tempered logits, when the step materialised them
+    hidden: jax.Array | None  # [R, B, H] otherwise, with the confidence path's lse
+    lse: jax.Array | None  # [R, B]
+
+
+def candidates(params, hidden, batch: DenoiseBatch, spec: StepSpec) -> tuple[Candidates, _Scores | None]:
     rows, block, dim = hidden.shape
     algo = spec.algorithm
-    need_logits = spec.sampling or algo.needs_logits or algo.needs_entropy
     with jax.named_scope("confidence"):
         # The greedy figures always come from the configured confidence backend, so a greedy row is
-        # bit-identical whether or not a sampled row shares its batch.
-        argmax, p_max, _ = confidence_stats(spec.confidence_backend, params, hidden.reshape(rows * block, dim),
-                                            exclude_token_id=spec.mask_id, mesh=spec.mesh, cfg=spec.model)
+        # bit-identical whether or not a sampled (or penalised) row shares its batch.
+        argmax, p_max, lse = confidence_stats(spec.confidence_backend, params, hidden.reshape(rows * block, dim),
+                                              exclude_token_id=spec.mask_id, mesh=spec.mesh, cfg=spec.model)
         tokens, confidence = argmax.reshape(rows, block), p_max.reshape(rows, block)
-        if not need_logits:
-            return Candidates(tokens=tokens, confidence=confidence)
+        if not spec.needs_logits:
+            scores = _Scores(None, hidden, lse.reshape(rows, block)) if spec.logprobs else None
+            return Candidates(tokens=tokens, confidence=confidence), scores
         logits = jnp.dot(hidden, lm_head_matrix(params), preferred_element_type=jnp.float32)
         logits = _exclude_mask(logits, spec.mask_id)
+        if spec.penalties:
+            pen = batch.penalties
+            logits = apply_penalties(logits, batch.tokens, batch.immutable, batch.prefix_len, pen, spec.mask_id)
+            top = jnp.max(logits, axis=-1)
+            penalised = pen.active[:, None]
+            tokens = jnp.where(penalised, jnp.argmax(logits, axis=-1).astype(jnp.int32), tokens)
+            confidence = jnp.where(penalised, jnp.exp(top - jax.nn.logsumexp(logits, axis=-1)), confidence)
         entropy = entropy_of(logits, algo.entropy_eps) if algo.needs_entropy else None
         sampled_rows = batch.temperature > 0
         if spec.sampling:
             drawn, relative = _sample(logits, batch)
             tokens = jnp.where(sampled_rows[:, None], drawn, tokens)
             confidence = jnp.where(sampled_rows[:, None], jnp.minimum(confidence, relative), confidence)
+        scores = None
+        if spec.logprobs:
+            tempered = logits
+            if spec.sampling:  # greedy rows (temperature 0, or top_k 1) score at temperature 1
+                t = jnp.where(sampled_rows & (batch.top_k != 1), batch.temperature, 1.0)
+                tempered = logits / t[:, None, None]
+            scores = _Scores(tempered, None, None)
         return Candidates(tokens=tokens, confidence=confidence, entropy=entropy,
-                          logits=logits if algo.needs_logits else None, sampled=sampled_rows)
+                          logits=logits if algo.needs_logits else None, sampled=sampled_rows), scores
+
+
+def _record(params, scores: _Scores, old_tokens, new_tokens, spec: StepSpec) -> lp.LogprobRecord:
+    """The logprob figures of the tokens this step wrote (every position scored; ``recorded`` where it wrote)."""
+    from dllm_jax.sharding import vocab_shards
+
+    shards = vocab_shards(spec.model, spec.mesh)
+    k = spec.top_logprobs
+    with jax.named_scope("logprobs"):
+        if scores.logits is not None:
+            chosen, vals, ids = lp.from_logits(scores.logits, new_tokens, k, spec.mesh, shards)
+        else:
+            rows, block, dim = scores.hidden.shape
+            chosen, vals, ids = lp.from_hidden(params, scores.hidden.reshape(rows * block, dim),
+                                               new_tokens.reshape(-1), scores.lse.reshape(-1), k,
+                                               mask_id=spec.mask_id, mesh=spec.mesh, vocab_shards=shards)
+            chosen = chosen.reshape(rows, block)
+            if k:
+                vals, ids = vals.reshape(rows, block, k), ids.reshape(rows, block, k)
+    wrote = (new_tokens != old_tokens) & (new_tokens != spec.mask_id)
+    return lp.LogprobRecord(logprob=chosen, top_logprob=vals, top_ids=ids, recorded=wrote)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,11 +223,13 @@ def candidates(params, hidden, batch: DenoiseBatch, spec: StepSpec) -> Candidate
 # ----------------------------------------------------------------------------------------------
 
 def _one_step(params, kv_pages, batch: DenoiseBatch, tokens, state, steps_taken, spec: StepSpec):
-    """Forward over the blocks, then one algorithm update. Returns (kv_pages, tokens, done, fresh_kv, state)."""
+    """Forward over the blocks, then one algorithm update. Returns (kv_pages, tokens, done, fresh_kv, state,
+    logprob record or None)."""
     hidden, kv_pages = _model_forward(params, kv_pages, tokens, batch.page_table, batch.prefix_len,
                                       batch.write_page[:, None], spec)
-    step_batch = dataclasses.replace(batch, rng_step=batch.rng_step + steps_taken - batch.steps_taken)
-    cand = candidates(params, hidden, step_batch, spec)
+    step_batch = dataclasses.replace(batch, tokens=tokens,
+                                     rng_step=batch.rng_step + steps_taken - batch.steps_taken)
+    cand, scores = candidates(params, hidden, step_batch, spec)
     cap = spec.algorithm.max_steps(spec.block_size)
     # Safety net (never reached by a correct algorithm): past the cap, fill what is left, then freeze.
     freeze = steps_taken >= cap + 1
@@ -179,41 +244,50 @@ def _one_step(params, kv_pages, batch: DenoiseBatch, tokens, state, steps_taken,
     if spec.fold_commit and spec.algorithm.foldable:
         resolved = ~jnp.any((new_tokens == spec.mask_id) & ~immutable, axis=-1)
         done = done | resolved
-    return kv_pages, new_tokens, done, fresh, state
+    record = _record(params, scores, tokens, new_tokens, spec) if spec.logprobs else None
+    return kv_pages, new_tokens, done, fresh, state, record
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("kv_pages",))
 def denoise(params, kv_pages, batch: DenoiseBatch, state: State, *, spec: StepSpec):
-    """One denoise step (FDFO) or the whole block loop (``spec.loop``, synchronous). Returns (kv_pages, result)."""
+    """One denoise step (FDFO) or the whole block loop (``spec.loop``, synchronous). Returns (kv_pages, result).
+
+    With ``spec.logprobs`` the result's record holds, per position, the figures of the step that last wrote it
+    during this call (the synchronous loop carries them, so each committed position keeps the forward in which it
+    was written)."""
     if not spec.loop:
-        kv_pages, tokens, done, fresh, state = _one_step(params, kv_pages, batch, batch.tokens, state,
-                                                         batch.steps_taken, spec)
+        kv_pages, tokens, done, fresh, state, record = _one_step(params, kv_pages, batch, batch.tokens, state,
+                                                                 batch.steps_taken, spec)
         return kv_pages, DenoiseResult(tokens=tokens, done=done, steps=jnp.ones_like(batch.steps_taken),
-                                       state=state, fresh_kv=fresh)
+                                       state=state, fresh_kv=fresh, logprobs=record)
 
     def cond(carry):
-        _, _, done, _, _, _, it = carry
+        _, _, done, _, _, _, it, _ = carry
         return (it < spec.max_steps) & ~jnp.all(done)
 
     def body(carry):
-        kv, tokens, done, fresh, state, steps, it = carry
-        kv, new_tokens, new_done, new_fresh, new_state = _one_step(params, kv, batch, tokens, state,
-                                                                   batch.steps_taken + steps, spec)
+        kv, tokens, done, fresh, state, steps, it, record = carry
+        kv, new_tokens, new_done, new_fresh, new_state, new_record = _one_step(
+            params, kv, batch, tokens, state, batch.steps_taken + steps, spec)
         # Rows already done ride along unchanged. Their page is rewritten: from identical tokens, so a row whose
         # KV was fresh stays fresh; a folded row (done, KV not yet fresh) becomes fresh if any later iteration ran.
         keep = done[:, None]
         tokens = jnp.where(keep, tokens, new_tokens)
         state = jax.tree.map(lambda old, new: jnp.where(done.reshape((-1,) + (1,) * (old.ndim - 1)), old, new),
                              state, new_state)
+        if record is not None:
+            record = lp.merge(record, new_record, keep)
         fresh = jnp.where(done, True, new_fresh)
         steps = steps + (~done).astype(jnp.int32)
-        return kv, tokens, done | new_done, fresh, state, steps, it + 1
+        return kv, tokens, done | new_done, fresh, state, steps, it + 1, record
 
     zeros = jnp.zeros_like(batch.steps_taken)
     no = jnp.zeros(batch.tokens.shape[:1], jnp.bool_)
-    init = (kv_pages, batch.tokens, no, no, state, zeros, jnp.int32(0))
-    kv_pages, tokens, done, fresh, state, steps, _ = jax.lax.while_loop(cond, body, init)
-    return kv_pages, DenoiseResult(tokens=tokens, done=done, steps=steps, state=state, fresh_kv=fresh)
+    record = lp.empty_record(*batch.tokens.shape, spec.top_logprobs) if spec.logprobs else None
+    init = (kv_pages, batch.tokens, no, no, state, zeros, jnp.int32(0), record)
+    kv_pages, tokens, done, fresh, state, steps, _, record = jax.lax.while_loop(cond, body, init)
+    return kv_pages, DenoiseResult(tokens=tokens, done=done, steps=steps, state=state, fresh_kv=fresh,
+                                   logprobs=record)
 
 
 def init_kv_pages(cfg: ModelConfig, num_pages: int, block_size: int, dtype=jnp.float32) -> list[Any]:

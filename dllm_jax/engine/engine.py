@@ -228,15 +228,18 @@ class Engine:
             **dict(s.stats),
         }
 
-    def warmup(self, sampling: bool = False) -> int:
+    def warmup(self, sampling: bool = False, *, logprobs: bool = False, penalties: bool = False) -> int:
         """Compile every shape bucket now, so no request waits on a compile later (a progress bar shows it when
-        ``progress`` is on; cached executables load from the persistent compilation cache). Returns the count."""
+        ``progress`` is on; cached executables load from the persistent compilation cache). Returns the count.
+        ``sampling`` / ``logprobs`` / ``penalties`` also compile the step variants for such requests (each
+        multiplies the denoise buckets; without them a first such request compiles its variant on the fly)."""
         from tqdm import tqdm
 
-        with self._lock, tqdm(total=self.runner.num_buckets(sampling=sampling), desc="compiling", unit="bucket",
+        variants = dict(sampling=sampling, logprobs=logprobs, penalties=penalties)
+        with self._lock, tqdm(total=self.runner.num_buckets(**variants), desc="compiling", unit="bucket",
                               disable=not self.progress, leave=False) as bar:
             start = time.perf_counter()
-            count = self.runner.warmup(sampling=sampling, on_bucket=lambda: bar.update(1))
+            count = self.runner.warmup(**variants, on_bucket=lambda: bar.update(1))
         log.info("compiled %d shape buckets in %.1f s (compilation cache: %s)", count, time.perf_counter() - start,
                  self.compilation_cache or "off")
         return count
@@ -423,13 +426,19 @@ class Engine:
     # ------------------------------------------------------------------------------------------
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, stream: bool = False, *,
-                 rid: str | list[str] | None = None, stream_provisional: bool = False):
+                 rid: str | list[str] | None = None, stream_provisional: bool = False,
+                 return_logprob: bool | None = None, top_logprobs_num: int | None = None):
         """Generate for one prompt (dict result), a batch (list of dicts) or, with ``stream=True``, one prompt
         as an iterator of committed-block chunks (``text`` / ``output_ids`` are the new part; the last chunk has
         ``finished: True`` and the full ``meta_info``). With ``stream_provisional=True`` the stream also carries,
         after every denoise step that leaves the block unfinished, a chunk with ``provisional: True`` and the
         block's current state (:meth:`provisional_chunk`); those chunks add no ``text`` / ``output_ids``, and
-        the committed chunk that follows supersedes them."""
+        the committed chunk that follows supersedes them.
+
+        ``return_logprob`` / ``top_logprobs_num`` (SGLang's arguments; the same as the sampling params of those
+        names) add ``meta_info["output_token_logprobs"]`` (``[logprob, token_id, None]`` per output token) and
+        ``meta_info["output_top_logprobs"]`` (per output token, the k most likely such triples); see
+        :meth:`meta_info`."""
         ids_list, single = self._inputs(prompt, input_ids)
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(ids_list):
@@ -437,6 +446,10 @@ class Engine:
             params_list = sampling_params
         else:
             params_list = [sampling_params] * len(ids_list)
+        extra = {k: v for k, v in (("return_logprob", return_logprob), ("top_logprobs_num", top_logprobs_num))
+                 if v is not None}
+        if extra:
+            params_list = [_with_fields(p, extra) for p in params_list]
         rids = rid if isinstance(rid, list) else [rid] * len(ids_list)
         if stream:
             if not single:
@@ -532,7 +545,23 @@ class Engine:
             "e2e_latency": end - req.arrival_time,
             "time_to_first_block": None if req.first_block_time is None else req.first_block_time - req.arrival_time,
             "retractions": req.retractions,
+            **self._logprob_meta(req),
         }
+
+    @staticmethod
+    def _logprob_meta(req: Request) -> dict:
+        """SGLang's logprob fields: for each output token so far, ``[logprob, token_id, None]`` under the forward
+        that wrote it (the distribution the algorithm used: mask id excluded, penalties applied, the row's
+        temperature; top-k / top-p filtering not applied), and with ``top_logprobs_num = k`` that forward's k most
+        likely tokens, most likely first. The lists grow with ``output_ids`` (a streamed chunk's entries are the
+        slice of its new tokens); a token at ``-inf`` (masked by a penalty) reads -9999.0."""
+        k = req.params.logprobs
+        if k < 0:
+            return {}
+        out = {"output_token_logprobs": list(req.output_token_logprobs)}
+        if k > 0:
+            out["output_top_logprobs"] = list(req.output_top_logprobs)
+        return out
 
     def result(self, req: Request) -> dict:
         return {"text": self._text(req), "output_ids": list(req.output_ids), "meta_info": self.meta_info(req)}
@@ -608,6 +637,18 @@ class ChunkSink:
 
 def _is_int(v) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _with_fields(params, extra: dict):
+    """Sampling params (a dict, a SamplingParams or None) with ``extra`` fields set."""
+    import dataclasses
+
+    if isinstance(params, SamplingParams):
+        return SamplingParams.from_dict({**{f.name: getattr(params, f.name) for f in dataclasses.fields(params)},
+                                         **extra})
+    if params is not None and not isinstance(params, dict):
+        return params  # SamplingParams.from_dict names the field's error
+    return {**(params or {}), **extra}
 
 
 def _show_progress(progress: bool | None) -> bool:

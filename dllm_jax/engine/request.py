@@ -45,6 +45,13 @@ class Request:
     block_page: int | None = None
     block_steps: int = 0
     algo_state: dict[str, np.ndarray] | None = None
+    # Log probabilities (params.return_logprob): per position of the block, the figures of the forward that
+    # wrote it (block_*), and per committed output token SGLang's [logprob, token_id, None] triple (output_*).
+    block_logprob: np.ndarray | None = None  # [B] f32
+    block_top_logprob: np.ndarray | None = None  # [B, k] f32
+    block_top_ids: np.ndarray | None = None  # [B, k] int32
+    output_token_logprobs: list = dataclasses.field(default_factory=list)
+    output_top_logprobs: list = dataclasses.field(default_factory=list)
     # Commit-forward folding: the last page in `pages` holds KV computed before its block was final; these are
     # the block's final tokens, re-encoded by a refresh row in the next denoise call (then it may be cached).
     stale_tokens: np.ndarray | None = None

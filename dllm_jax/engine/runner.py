@@ -12,6 +12,12 @@ Buckets (every dimension a power of two, so a handful of executables serve all t
 * page-table width (prefix pages per row): 1, 2, 4, ... up to ``ceil(context_length / B)``.
 :meth:`ModelRunner.warmup` compiles all of them; afterwards nothing recompiles. ``Engine(shape_buckets=...)``
 replaces any of these lists (fewer buckets: fewer compiles, more padding; see :class:`ShapeBuckets`).
+
+Step variants: a denoise call compiles (per bucket) the plain step, or a variant when some row samples
+(``sampling``), has a penalty / bias (``penalties``: the call carries :class:`~dllm_jax.decode.penalties.Penalties`
+tables of fixed width) or wants log probabilities (``logprobs``, and ``top_logprobs`` = 20 when some row wants
+alternatives). A batch without them runs the plain step. :meth:`ModelRunner.warmup` compiles the variants only
+when asked (``sampling=``, ``logprobs=``, ``penalties=``).
 """
 
 from __future__ import annotations
@@ -25,12 +31,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from dllm_jax.decode.algorithms import Algorithm
+from dllm_jax.decode.penalties import Penalties
 from dllm_jax.decode.step import DenoiseBatch, StepSpec, denoise, init_kv_pages, prefill
 from dllm_jax.cache.pages import TRASH_PAGE
+from dllm_jax.engine.sampling import MAX_LOGIT_BIAS, MAX_MIN_NEW_STOP_IDS, MAX_TOP_LOGPROBS
 
 
 KIND_STOP, KIND_PREFILL, KIND_DENOISE = 0, 1, 2
+# Denoise variants, as bits above the kind in a call's header (followers shape their arrays from it).
+VARIANT_PENALTIES, VARIANT_LOGPROBS, VARIANT_TOP = 1, 2, 4
 STATE_PREFIX = "state."
+PENALTY_PREFIX = "penalties."
 
 
 def pow2_buckets(limit: int) -> tuple[int, ...]:
@@ -148,6 +159,22 @@ class DecodeRow:
     rng_step: int
     algo_state: dict[str, np.ndarray] | None
     refresh: bool = False  # a folded block re-encoded for its exact KV (nothing to decode)
+    logprobs: int = -1  # -1: none; 0: the written tokens' log probabilities; k > 0: and the top k alternatives
+    penalty: "PenaltyRow | None" = None  # None: no penalty or bias
+
+
+@dataclasses.dataclass
+class PenaltyRow:
+    """A row's penalty inputs (see :mod:`dllm_jax.decode.penalties`)."""
+
+    history: list[int]  # prompt + committed outputs
+    prompt_len: int
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    min_new: int = 0
+    bias: tuple[tuple[int, float], ...] = ()
+    stop_ids: tuple[int, ...] = ()  # EOS and stop token ids (masked while fewer than min_new tokens are out)
 
 
 @dataclasses.dataclass
@@ -157,6 +184,11 @@ class DecodeOutput:
     steps: np.ndarray  # [n] int
     states: list[dict[str, np.ndarray]]
     fresh_kv: np.ndarray  # [n] bool: False for a block done by folding (its page needs a refresh row)
+    # With log probabilities: per position, the figures of the step of this call that last wrote it.
+    logprob: np.ndarray | None = None  # [n, B] f32
+    top_logprob: np.ndarray | None = None  # [n, B, 20] f32, most likely first
+    top_ids: np.ndarray | None = None  # [n, B, 20] int32
+    recorded: np.ndarray | None = None  # [n, B] bool
 
 
 class ModelRunner:
@@ -193,6 +225,7 @@ class ModelRunner:
                         mesh=mesh, fold_commit=fold_commit)
         self.greedy_spec = base
         self.sampling_spec = dataclasses.replace(base, sampling=True)
+        self._variants: dict[tuple[bool, int], StepSpec] = {}
         self.prefill_spec = dataclasses.replace(base, algorithm=None)
         self._fresh_state = {k: np.asarray(v)[0] for k, v in algorithm.init_state(1, block_size).items()}
         self.device_calls = 0
@@ -208,20 +241,38 @@ class ModelRunner:
             self.channel.send(np.asarray([kind, *arrays["page_table"].shape, arrays["tokens"].shape[1]], np.int32),
                               arrays)
         self.device_calls += 1
+        kind, variant = kind & 3, kind >> 2
         if kind == KIND_PREFILL:
             self.kv_pages = prefill(self.params, self.kv_pages, arrays["tokens"], arrays["page_table"],
                                     arrays["prefix_len"], arrays["write"], spec=self.prefill_spec)
             return None
         state = {k[len(STATE_PREFIX):]: v for k, v in arrays.items() if k.startswith(STATE_PREFIX)}
-        batch = DenoiseBatch(**{f.name: arrays[f.name] for f in dataclasses.fields(DenoiseBatch)})
+        penalties = None
+        if variant & VARIANT_PENALTIES:
+            penalties = Penalties(**{f.name: arrays[PENALTY_PREFIX + f.name] for f in dataclasses.fields(Penalties)})
+        batch = DenoiseBatch(**{f.name: arrays[f.name] for f in dataclasses.fields(DenoiseBatch)
+                                if f.name != "penalties"}, penalties=penalties)
         sampling = bool(np.any((arrays["temperature"] > 0) & (arrays["top_k"] != 1)))
-        spec = self.sampling_spec if sampling else self.greedy_spec
-        self.kv_pages, result = denoise(self.params, self.kv_pages, batch, state, spec=spec)
+        self.kv_pages, result = denoise(self.params, self.kv_pages, batch, state,
+                                        spec=self.denoise_spec(sampling, variant))
         return result
+
+    def denoise_spec(self, sampling: bool, variant: int = 0) -> StepSpec:
+        """The compiled step for a call: plain (greedy or sampling), or a variant (``VARIANT_*`` bits)."""
+        spec = self.sampling_spec if sampling else self.greedy_spec
+        if not variant:
+            return spec
+        key = (sampling, variant)
+        if key not in self._variants:
+            self._variants[key] = dataclasses.replace(
+                spec, penalties=bool(variant & VARIANT_PENALTIES), logprobs=bool(variant & VARIANT_LOGPROBS),
+                top_logprobs=MAX_TOP_LOGPROBS if variant & VARIANT_TOP else 0)
+        return self._variants[key]
 
     def _template(self, header: np.ndarray) -> dict[str, np.ndarray]:
         """Zero arrays shaped like the leader's call (followers receive into them)."""
         kind, rows, width, length = (int(x) for x in header)
+        kind, variant = kind & 3, kind >> 2
         B = self.block_size
         if kind == KIND_PREFILL:
             return {"tokens": np.zeros((rows, length), np.int32), "page_table": np.zeros((rows, width), np.int32),
@@ -234,6 +285,8 @@ class ModelRunner:
                "rng_step": np.zeros((rows,), np.int32)}
         for k, v in self._fresh_state.items():
             out[STATE_PREFIX + k] = np.zeros((rows,) + v.shape, v.dtype)
+        if variant & VARIANT_PENALTIES:
+            out.update({PENALTY_PREFIX + k: v for k, v in _penalty_arrays([], rows, (width + 1) * B).items()})
         return out
 
     def follow(self) -> int:
@@ -325,26 +378,43 @@ class ModelRunner:
                   "write_page": write, "steps_taken": steps_taken, "temperature": temperature, "top_k": top_k,
                   "top_p": top_p, "seed": seed, "rng_step": rng_step,
                   **{STATE_PREFIX + k: v for k, v in state.items()}}
-        result = self._execute(KIND_DENOISE, arrays)
+        variant = 0
+        if any(r.penalty is not None for r in rows):
+            variant |= VARIANT_PENALTIES
+            arrays.update({PENALTY_PREFIX + k: v for k, v in _penalty_arrays(rows, R, (W + 1) * B).items()})
+        if any(r.logprobs >= 0 for r in rows):
+            variant |= VARIANT_LOGPROBS | (VARIANT_TOP if any(r.logprobs > 0 for r in rows) else 0)
+        result = self._execute(KIND_DENOISE | (variant << 2), arrays)
         result = jax.device_get(result)  # the one host sync of this step
         if self.call_log is not None:
             sampled = bool(np.any((temperature > 0) & (top_k != 1)))
             self.call_log.append(CallRecord("denoise", R, W, 1, n, n, sum(len(r.prefix_pages) for r in rows),
                                             sum(r.refresh for r in rows), sampled, int(result.steps.max())))
         states = [{k: v[i] for k, v in result.state.items()} for i in range(n)]
-        return DecodeOutput(tokens=np.asarray(result.tokens[:n]), done=np.asarray(result.done[:n]),
-                            steps=np.asarray(result.steps[:n]), states=states,
-                            fresh_kv=np.asarray(result.fresh_kv[:n]))
+        out = DecodeOutput(tokens=np.asarray(result.tokens[:n]), done=np.asarray(result.done[:n]),
+                           steps=np.asarray(result.steps[:n]), states=states,
+                           fresh_kv=np.asarray(result.fresh_kv[:n]))
+        record = result.logprobs
+        if record is not None:
+            out.logprob, out.recorded = np.asarray(record.logprob[:n]), np.asarray(record.recorded[:n])
+            if record.top_ids is not None:
+                out.top_logprob, out.top_ids = np.asarray(record.top_logprob[:n]), np.asarray(record.top_ids[:n])
+        return out
 
     # -------------------------------------------------------------------------------------------
-    def buckets(self, *, sampling: bool = False) -> list[tuple]:
-        """Every shape a call can take: ``("denoise", rows, width, sampling)`` and ``("prefill", rows, blocks,
-        width)``. A prefill chunk bucket whose smallest real chunk leaves room for only a short prefix skips the
-        page-table widths no request can reach (a chunk of C blocks after more than ``max_pages - C`` pages does
-        not fit the context)."""
-        out = [("denoise", R, W, False) for R, W in itertools.product(self.row_buckets, self.width_buckets)]
-        if sampling:
-            out += [("denoise", R, W, True) for R, W in itertools.product(self.row_buckets, self.width_buckets)]
+    def buckets(self, *, sampling: bool = False, logprobs: bool = False, penalties: bool = False) -> list[tuple]:
+        """Every shape a call can take: ``("denoise", rows, width, sampling, variant)`` and ``("prefill", rows,
+        blocks, width)``. A prefill chunk bucket whose smallest real chunk leaves room for only a short prefix skips
+        the page-table widths no request can reach (a chunk of C blocks after more than ``max_pages - C`` pages
+        does not fit the context). ``sampling`` / ``logprobs`` / ``penalties`` add the step variants for them
+        (every combination: a batch may mix such requests)."""
+        variants = [0]
+        if penalties:
+            variants += [VARIANT_PENALTIES]
+        if logprobs:
+            variants += [v | VARIANT_LOGPROBS | top for v in list(variants) for top in (0, VARIANT_TOP)]
+        out = [("denoise", R, W, sampled, v) for sampled in ((False, True) if sampling else (False,))
+               for v in variants for R, W in itertools.product(self.row_buckets, self.width_buckets)]
         smallest = 1
         for C in self.chunk_buckets:
             widest = pick_bucket(max(1, self.max_pages_per_row - smallest), self.width_buckets)
@@ -354,20 +424,24 @@ class ModelRunner:
             smallest = C + 1
         return out
 
-    def num_buckets(self, *, sampling: bool = False) -> int:
-        return len(self.buckets(sampling=sampling))
+    def num_buckets(self, **variants) -> int:
+        return len(self.buckets(**variants))
 
-    def warmup(self, *, sampling: bool = False, on_bucket=None) -> int:
-        """Compile every bucket now (padding rows only: writes land in the trash page). Returns the count."""
+    def warmup(self, *, sampling: bool = False, logprobs: bool = False, penalties: bool = False,
+               on_bucket=None) -> int:
+        """Compile every bucket now (padding rows only: writes land in the trash page), with the step variants
+        asked for (see :meth:`buckets`). Returns the count."""
         B = self.block_size
         count = 0
-        for bucket in self.buckets(sampling=sampling):
+        for bucket in self.buckets(sampling=sampling, logprobs=logprobs, penalties=penalties):
             if bucket[0] == "denoise":
-                _, R, W, sampled = bucket
+                _, R, W, sampled, variant = bucket
+                lps = -1 if not variant & VARIANT_LOGPROBS else (1 if variant & VARIANT_TOP else 0)
                 row = DecodeRow(tokens=np.zeros(B, np.int32), immutable=np.ones(B, np.bool_),
                                 prefix_pages=[TRASH_PAGE] * W, write_page=TRASH_PAGE, steps_taken=0,
                                 temperature=1.0 if sampled else 0.0, top_k=-1, top_p=1.0, seed=0, rng_step=0,
-                                algo_state=None)
+                                algo_state=None, logprobs=lps,
+                                penalty=PenaltyRow([], 0) if variant & VARIANT_PENALTIES else None)
                 self.denoise([row] * R)
             else:
                 _, R, C, W = bucket
@@ -383,3 +457,31 @@ class ModelRunner:
     def compiled_executables() -> int:
         """How many executables the step functions hold (a test asserts it stops growing after warm-up)."""
         return denoise._cache_size() + prefill._cache_size()
+
+
+def _penalty_arrays(rows: list[DecodeRow], R: int, history_len: int) -> dict[str, np.ndarray]:
+    """The :class:`~dllm_jax.decode.penalties.Penalties` tables of a call (neutral for rows without a penalty and
+    for padding rows). The history is as wide as the page-table bucket allows (prefix pages plus the block), the
+    bias and stop tables have the fixed widths the sampling params are validated against: no new shapes."""
+    out = {"history": np.full((R, history_len), -1, np.int32), "prompt_len": np.zeros((R,), np.int32),
+           "presence": np.zeros((R,), np.float32), "frequency": np.zeros((R,), np.float32),
+           "repetition": np.ones((R,), np.float32), "min_new": np.zeros((R,), np.int32),
+           "bias_ids": np.full((R, MAX_LOGIT_BIAS), -1, np.int32), "bias": np.zeros((R, MAX_LOGIT_BIAS), np.float32),
+           "stop_ids": np.full((R, MAX_MIN_NEW_STOP_IDS), -1, np.int32), "active": np.zeros((R,), np.bool_)}
+    for i, r in enumerate(rows):
+        p = r.penalty
+        if p is None:
+            continue
+        if len(p.history) > history_len or len(p.bias) > MAX_LOGIT_BIAS or len(p.stop_ids) > MAX_MIN_NEW_STOP_IDS:
+            raise ValueError(f"penalty tables overflow: {len(p.history)} history tokens (room for {history_len}), "
+                             f"{len(p.bias)} biases, {len(p.stop_ids)} stop ids")
+        out["history"][i, :len(p.history)] = p.history
+        out["prompt_len"][i] = p.prompt_len
+        out["presence"][i], out["frequency"][i], out["repetition"][i] = p.presence, p.frequency, p.repetition
+        out["min_new"][i] = p.min_new
+        if p.bias:
+            out["bias_ids"][i, :len(p.bias)] = [t for t, _ in p.bias]
+            out["bias"][i, :len(p.bias)] = [b for _, b in p.bias]
+        out["stop_ids"][i, :len(p.stop_ids)] = p.stop_ids
+        out["active"][i] = bool(p.presence or p.frequency or p.repetition != 1.0 or p.min_new or p.bias)
+    return out

@@ -2,6 +2,10 @@
 
 Bad values are a ``ValueError`` naming the field, raised before the request reaches the scheduler, so one bad
 request never disturbs the others.
+
+Log probabilities and penalties (issue 18) are per-request fields here; the device applies them only in the step
+variants compiled for them (:mod:`dllm_jax.decode.penalties`, :mod:`dllm_jax.decode.logprobs`), so a batch that
+uses neither runs the plain step.
 """
 
 from __future__ import annotations
@@ -10,6 +14,9 @@ import dataclasses
 from typing import Any
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20  # anything larger is a mistake, not a request
+MAX_TOP_LOGPROBS = 20  # alternatives per output token (OpenAI's limit); the device computes this many
+MAX_LOGIT_BIAS = 300  # entries (OpenAI's limit); the device takes a fixed-width table of this many
+MAX_MIN_NEW_STOP_IDS = 64  # EOS + stop token ids masked by min_new_tokens (a fixed-width table on the device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,10 +30,30 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     seed: int | None = None
+    # Log probabilities of the output tokens (meta_info.output_token_logprobs / output_top_logprobs).
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    # Penalties and biases, applied to the logits on the device (dllm_jax.decode.penalties has the formulas).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty or bias differs from its neutral value (the row then needs the penalty variant)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.min_new_tokens or self.logit_bias)
+
+    @property
+    def logprobs(self) -> int:
+        """-1: no log probabilities; 0: the output tokens' only; k > 0: also the top k alternatives."""
+        return self.top_logprobs_num if self.return_logprob else -1
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None, *, vocab_size: int | None = None,
@@ -97,7 +124,83 @@ class SamplingParams:
             if not _is_int(v) or v < 0 or v >= 2 ** 32:
                 raise ValueError(f"{field('seed')}: must be an integer in [0, 2^32), got {v!r}")
             out["seed"] = int(v)
+        _logprob_fields(values, out, field)
+        _penalty_fields(values, out, field, vocab_size)
+        if out.get("min_new_tokens", 0) > out.get("max_new_tokens", cls.max_new_tokens):
+            raise ValueError(f"{field('min_new_tokens')}: {out['min_new_tokens']} exceeds max_new_tokens "
+                             f"{out.get('max_new_tokens', cls.max_new_tokens)}")
         return cls(**out)
+
+
+def _logprob_fields(values: dict, out: dict, field) -> None:
+    if "return_logprob" in values:
+        if not isinstance(values["return_logprob"], bool):
+            raise ValueError(f"{field('return_logprob')}: must be true or false, got {values['return_logprob']!r}")
+        out["return_logprob"] = values["return_logprob"]
+    if "top_logprobs_num" in values:
+        v = values["top_logprobs_num"]
+        if not _is_int(v) or not 0 <= v <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"{field('top_logprobs_num')}: must be an integer in [0, {MAX_TOP_LOGPROBS}], got {v!r}")
+        out["top_logprobs_num"] = int(v)
+
+
+def _penalty_fields(values: dict, out: dict, field, vocab_size: int | None) -> None:
+    """Ranges as OpenAI / SGLang document them: presence and frequency in [-2, 2], repetition in (0, 2], a bias in
+    [-100, 100] for at most 300 token ids, min_new_tokens >= 0 (and <= max_new_tokens, checked by the caller)."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if name in values:
+            v = values[name]
+            if not _is_number(v) or not -2 <= v <= 2:
+                raise ValueError(f"{field(name)}: must be a number in [-2, 2], got {v!r}")
+            out[name] = float(v)
+    if "repetition_penalty" in values:
+        v = values["repetition_penalty"]
+        if not _is_number(v) or not 0 < v <= 2:
+            raise ValueError(f"{field('repetition_penalty')}: must be a number in (0, 2], got {v!r}")
+        out["repetition_penalty"] = float(v)
+    if "min_new_tokens" in values:
+        v = values["min_new_tokens"]
+        if not _is_int(v) or not 0 <= v <= MAX_NEW_TOKENS_LIMIT:
+            raise ValueError(f"{field('min_new_tokens')}: must be an integer >= 0, got {v!r}")
+        out["min_new_tokens"] = int(v)
+    if "logit_bias" in values:
+        out["logit_bias"] = _logit_bias(values["logit_bias"], field("logit_bias"), vocab_size)
+    if out.get("min_new_tokens"):
+        stops = set(out.get("stop_token_ids", ()))
+        if len(stops) > MAX_MIN_NEW_STOP_IDS - 8:  # room for the model's EOS ids
+            raise ValueError(f"{field('stop_token_ids')}: at most {MAX_MIN_NEW_STOP_IDS - 8} stop token ids with "
+                             f"min_new_tokens, got {len(stops)}")
+
+
+def _logit_bias(v, name: str, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    """``{token id: bias}`` (keys ints or decimal strings, as JSON sends them) -> sorted ``((id, bias), ...)``."""
+    if isinstance(v, (list, tuple)):
+        try:
+            v = dict(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name}: must be an object {{token id: bias}}") from None
+    if not isinstance(v, dict):
+        raise ValueError(f"{name}: must be an object {{token id: bias}}, got {type(v).__name__}")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise ValueError(f"{name}: at most {MAX_LOGIT_BIAS} entries, got {len(v)}")
+    out: dict[int, float] = {}
+    for key, bias in v.items():
+        if _is_int(key):
+            tid = int(key)
+        elif isinstance(key, str) and key.isdecimal() and len(key) <= 9:
+            tid = int(key)
+        else:
+            raise ValueError(f"{name}: keys must be token ids, got {key!r}")
+        if vocab_size is not None and not 0 <= tid < vocab_size:
+            raise ValueError(f"{name}.{key}: token id {tid} is outside the vocabulary [0, {vocab_size})")
+        if tid < 0:
+            raise ValueError(f"{name}.{key}: token id {tid} is negative")
+        if not _is_number(bias) or not -100 <= bias <= 100:
+            raise ValueError(f"{name}.{key}: a bias must be a number in [-100, 100], got {bias!r}")
+        if tid in out:
+            raise ValueError(f"{name}.{key}: token id {tid} appears twice")
+        out[tid] = float(bias)
+    return tuple(sorted(out.items()))
 
 
 def _is_int(v) -> bool:

@@ -28,7 +28,7 @@ import numpy as np
 from dllm_jax.cache.pages import OutOfPages, PageAllocator
 from dllm_jax.cache.radix import BlockRadixIndex
 from dllm_jax.engine.request import Phase, Request
-from dllm_jax.engine.runner import DecodeRow, ModelRunner, PrefillRow
+from dllm_jax.engine.runner import DecodeOutput, DecodeRow, ModelRunner, PenaltyRow, PrefillRow
 
 
 PROVISIONAL = {"provisional": True}  # the event of a denoise step that left the block unfinished
@@ -180,6 +180,7 @@ class Scheduler:
             self.allocator.free(sorted(own))
         req.pages, req.own_pages = [], set()
         req.block_page = req.block_tokens = req.block_immutable = req.algo_state = req.stale_tokens = None
+        req.block_logprob = req.block_top_logprob = req.block_top_ids = None
         req.block_steps = 0
 
     def _insert(self, req: Request) -> None:
@@ -255,6 +256,11 @@ class Scheduler:
         immutable[:n_imm] = True
         req.block_tokens, req.block_immutable, req.block_page = tokens, immutable, pages[0]
         req.block_steps, req.algo_state = 0, None
+        k = req.params.logprobs
+        if k >= 0:
+            req.block_logprob = np.zeros((B,), np.float32)
+            req.block_top_logprob = np.zeros((B, k), np.float32)
+            req.block_top_ids = np.zeros((B, k), np.int32)
         return True
 
     def _decode_round(self, reqs: list[Request]) -> None:
@@ -274,7 +280,8 @@ class Scheduler:
         rows += [DecodeRow(tokens=r.block_tokens, immutable=r.block_immutable, prefix_pages=r.pages,
                            write_page=r.block_page, steps_taken=r.block_steps, temperature=r.params.temperature,
                            top_k=r.params.top_k, top_p=r.params.top_p, seed=r.seed,
-                           rng_step=self._rng_step(r), algo_state=r.algo_state) for r in reqs]
+                           rng_step=self._rng_step(r), algo_state=r.algo_state, logprobs=r.params.logprobs,
+                           penalty=self._penalty_row(r)) for r in reqs]
         with jax.profiler.TraceAnnotation("denoise_step"):
             out = self.runner.denoise(rows)
         self.stats["denoise_calls"] += 1
@@ -285,6 +292,8 @@ class Scheduler:
                 req.stale_tokens = None
                 self._insert(req)
             for i, req in enumerate(reqs, start=len(refresh)):
+                if req.params.logprobs >= 0:
+                    self._record_logprobs(req, out, i)
                 steps = int(out.steps[i])
                 req.forward_passes += steps
                 req.block_steps += steps
@@ -294,6 +303,29 @@ class Scheduler:
                     req.block_tokens, req.algo_state = out.tokens[i], out.states[i]
                     if req.provisional:
                         self._emit(req, PROVISIONAL)
+
+    def _penalty_row(self, req: Request) -> PenaltyRow | None:
+        """The row's penalty inputs, or None when all of its penalties are neutral (see decode.penalties)."""
+        p = req.params
+        if not p.penalized:
+            return None
+        stops: tuple[int, ...] = ()
+        if p.min_new_tokens:
+            ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+            stops = tuple(sorted(ids))
+        return PenaltyRow(history=req.real_ids, prompt_len=len(req.prompt_ids), presence=p.presence_penalty,
+                          frequency=p.frequency_penalty, repetition=p.repetition_penalty, min_new=p.min_new_tokens,
+                          bias=p.logit_bias, stop_ids=stops)
+
+    @staticmethod
+    def _record_logprobs(req: Request, out: DecodeOutput, i: int) -> None:
+        """Keep, per position of the block, the figures of the forward that last wrote it."""
+        wrote = out.recorded[i]
+        req.block_logprob[wrote] = out.logprob[i][wrote]
+        k = req.block_top_ids.shape[1]
+        if k:
+            req.block_top_logprob[wrote] = out.top_logprob[i][wrote, :k]
+            req.block_top_ids[wrote] = out.top_ids[i][wrote, :k]
 
     def _rng_step(self, req: Request) -> int:
         """Where this step sits in the request's generation (block index, step in block): folded into the sampling
@@ -306,7 +338,10 @@ class Scheduler:
         new = [int(t) for t in tokens[n_imm:]]
         if req.first_block_time is None:
             req.first_block_time = time.perf_counter()
+        before = len(req.output_ids)
         finish = self._append_outputs(req, new)
+        if req.params.logprobs >= 0:
+            self._append_logprobs(req, n_imm, before)
         if req.real_len >= req.prefix_len(B) + B:  # the block is complete real tokens: keep its KV
             req.pages.append(req.block_page)
             req.own_pages.add(req.block_page)
@@ -322,6 +357,20 @@ class Scheduler:
         else:
             self._emit(req)
             self._classify(req)
+
+    @staticmethod
+    def _append_logprobs(req: Request, n_imm: int, before: int) -> None:
+        """SGLang's triples for the output tokens just committed (``-inf`` reported as -9999.0, JSON-safe)."""
+        count = len(req.output_ids) - before
+        pos = slice(n_imm, n_imm + count)
+        ids = req.output_ids[before:]
+        lps = np.maximum(req.block_logprob[pos], -9999.0).tolist()
+        req.output_token_logprobs.extend([lp, tid, None] for lp, tid in zip(lps, ids))
+        k = req.block_top_ids.shape[1]
+        if k:
+            vals = np.maximum(req.block_top_logprob[pos], -9999.0).tolist()
+            tops = req.block_top_ids[pos].tolist()
+            req.output_top_logprobs.extend([[v, t, None] for v, t in zip(vs, ts)] for vs, ts in zip(vals, tops))
 
     def _append_outputs(self, req: Request, new: list[int]) -> dict | None:
         """Append a committed block's new tokens; apply max_new_tokens, EOS / stop ids and stop strings."""
