@@ -585,6 +585,12 @@ def invariance(ctx: Ctx) -> dict:
     return run(ctx)
 
 
+def cpu_matmul(ctx: Ctx) -> dict:
+    from bench.cpu_matmul import cpu_matmul as run
+
+    return run(ctx)
+
+
 SCENARIOS = {
     "baseline": baseline,
     "concurrency": concurrency,
@@ -599,6 +605,7 @@ SCENARIOS = {
     "efficiency": efficiency,
     "startup": startup,
     "invariance": invariance,
+    "cpu_matmul": cpu_matmul,
 }
 DEFAULT_SCENARIOS = ("baseline", "concurrency", "prefix", "long", "schedules", "engine", "efficiency", "moe",
                      "roofline")
