@@ -54,6 +54,40 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "or ~/.cache/dllm-jax/xla)")
 
 
+def add_distributed_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of a multi-process run (one engine over several processes / hosts; see dllm_jax.distributed)."""
+    from dllm_jax import distributed as d
+
+    g = p.add_argument_group("multi-process (one engine over several hosts: run the same command on each)")
+    g.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                   help=f"process 0's address, reachable from every host (default: ${d.ENV_COORDINATOR})")
+    g.add_argument("--num-processes", type=int, default=None, help=f"processes in the group (default: "
+                                                                     f"${d.ENV_NUM_PROCESSES})")
+    g.add_argument("--process-id", type=int, default=None,
+                   help=f"this process's rank, 0 = the leader (default: ${d.ENV_PROCESS_ID})")
+    g.add_argument("--collective-timeout", type=float, default=d.DEFAULT_COLLECTIVE_TIMEOUT_S, metavar="SECONDS",
+                   help="a collective that waits longer on a peer fails, and the group with it (CPU / gloo; "
+                        f"default {d.DEFAULT_COLLECTIVE_TIMEOUT_S:g})")
+    g.add_argument("--heartbeat-timeout", type=int, default=None, metavar="SECONDS",
+                   help="JAX's coordination service ends every process when one sends no heartbeat for this long "
+                        "(default: JAX's, 100)")
+
+
+def init_distributed(args: argparse.Namespace) -> bool:
+    """Join the process group when the flags (or the environment) ask for one. Returns whether it did."""
+    import os
+
+    from dllm_jax import distributed as d
+
+    wanted = (args.coordinator_address, args.num_processes, args.process_id,
+              os.environ.get(d.ENV_NUM_PROCESSES), os.environ.get(d.ENV_PROCESS_ID))
+    if all(v is None for v in wanted):
+        return False
+    d.initialize(args.coordinator_address, args.num_processes, args.process_id,
+                 collective_timeout_s=args.collective_timeout, heartbeat_timeout_s=args.heartbeat_timeout)
+    return True
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     config = args.algorithm_config
     if config is not None and config.lstrip().startswith("{"):

@@ -5,6 +5,12 @@ depends on ``dllm_jax``, never the reverse): :func:`add_arguments` plus the shar
 (``dllm_jax.cli.add_engine_arguments``), then :func:`main`. ``python -m serve`` builds the same parser here.
 ``uvicorn --factory serve:create_app`` reads the same flags from the ``DLLM_JAX_SERVE_ARGS`` environment variable.
 
+Several processes (one engine over several hosts, see :mod:`dllm_jax.distributed`): run the same command on every
+host with ``--coordinator-address``, ``--num-processes`` and ``--process-id`` (or ``$JAX_COORDINATOR_ADDRESS``,
+``$JAX_NUM_PROCESSES``, ``$JAX_PROCESS_ID``). Process 0 binds HTTP and schedules; the others bind no port and
+replay its device calls until it shuts down. If the group fails (a process dies or stops answering), the leader
+fails its requests with the error, stops serving and exits with status 1, so that a supervisor restarts the group.
+
 This module imports neither FastAPI nor uvicorn at import time (``dllm-jax generate`` imports it to build its
 parser), but it raises ImportError when they are missing, so ``dllm-jax`` simply has no ``serve`` command then.
 """
@@ -50,11 +56,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def register(subparsers) -> None:
     """Add ``serve`` to the ``dllm-jax`` command (entry point ``dllm_jax.commands``)."""
-    from dllm_jax.cli import add_engine_arguments
+    from dllm_jax.cli import add_distributed_arguments, add_engine_arguments
 
     s = subparsers.add_parser("serve", help="HTTP server (SGLang- and OpenAI-style endpoints)")
     add_arguments(s)
     add_engine_arguments(s)
+    add_distributed_arguments(s)
     s.set_defaults(fn=main)
 
 
@@ -69,12 +76,13 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dllm_jax.cli import add_engine_arguments
+    from dllm_jax.cli import add_distributed_arguments, add_engine_arguments
 
     p = argparse.ArgumentParser(prog="python -m serve", description="dllm-jax HTTP server (SGLang- and "
                                                                     "OpenAI-style endpoints)")
     add_arguments(p)
     add_engine_arguments(p)
+    add_distributed_arguments(p)
     return p
 
 
@@ -82,21 +90,30 @@ def main(args: argparse.Namespace) -> int:
     """Build the engine (errors in the flags or the model fail here, before binding), then serve until stopped."""
     import uvicorn
 
-    from dllm_jax.cli import build_engine, configure_logging
+    from dllm_jax import distributed
+    from dllm_jax.cli import build_engine, configure_logging, init_distributed
     from serve.app import create_app
 
     configure_logging(args.log_level)
     log = logging.getLogger("dllm_jax.serve")
     settings = settings_from_args(args)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
-        log.warning("binding %s without an API key: anyone who can reach this address can use the server", args.host)
+    multi_process = init_distributed(args)  # before anything else touches JAX
     if args.warmup is None:
         args.warmup = True  # a server compiles its buckets before it answers, so no request waits on a compile
     engine = build_engine(args)
+    if not engine.is_leader:
+        return distributed.run_follower(engine)  # no HTTP: replay the leader's device calls
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
+        log.warning("binding %s without an API key: anyone who can reach this address can use the server", args.host)
     app = create_app(engine, settings)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=_uvicorn_level(args.log_level),
                             access_log=not args.no_access_log, timeout_graceful_shutdown=5)
     _serve(config, engine)
+    if engine.failure is not None:
+        log.error("stopped serving: the process group failed (restart every process)")
+        distributed.hard_exit(1)  # JAX's exit handler would wait for the lost process at its shutdown barrier
+    if multi_process:
+        log.info("shut down; the followers stop with it")
     return 0
 
 
@@ -110,6 +127,11 @@ def _serve(config, engine) -> None:
     import uvicorn
 
     class ReadyServer(uvicorn.Server):
+        async def on_tick(self, counter: int) -> bool:
+            if engine.failure is not None:  # a multi-process group failed: stop serving (main exits 1)
+                return True
+            return await super().on_tick(counter)
+
         async def startup(self, sockets=None):
             await super().startup(sockets=sockets)
             if self.started:

@@ -116,9 +116,9 @@ class Server:
         try:
             for req in reqs:
                 self.engine.submit(req)
-        except RuntimeError as e:  # the engine is shutting down
+        except RuntimeError as e:  # the engine is shutting down, or its process group failed
             batch.close()
-            raise ApiError(503, f"the server is shutting down: {e}") from None
+            raise ApiError(503, f"the engine takes no requests: {e}") from None
         return batch
 
 

@@ -7,6 +7,7 @@ import threading
 import jax
 import numpy as np
 
+from conftest import ENGINE_KW
 from dllm_jax.engine.runner import ModelRunner
 
 
@@ -30,12 +31,13 @@ class QueueChannel:
 
 def test_follower_replays_leader_calls(tiny_model, make_engine):
     channel = QueueChannel()
-    leader = make_engine(tiny_model, max_running_requests=4, channel=channel)
+    leader = make_engine(tiny_model, channel=channel, **ENGINE_KW)
     r = leader.runner
     follower = ModelRunner(r.params, r.cfg, block_size=r.block_size, mask_id=leader.mask_token_id,
-                           algorithm=r.algorithm, num_pages=leader.num_kv_pages, max_rows=4,
-                           max_pages_per_row=r.width_buckets[-1], max_prefill_blocks=r.max_prefill_blocks,
-                           loop=False, channel=channel)
+                           algorithm=r.algorithm, num_pages=leader.num_kv_pages, max_rows=leader.max_running_requests,
+                           max_pages_per_row=r.max_pages_per_row, max_prefill_blocks=r.max_prefill_blocks,
+                           loop=False, channel=channel, fold_commit=r.greedy_spec.fold_commit,
+                           shape_buckets=ENGINE_KW["shape_buckets"])
     result = {}
     thread = threading.Thread(target=lambda: result.setdefault("calls", follower.follow()))
     thread.start()

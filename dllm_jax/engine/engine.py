@@ -181,7 +181,10 @@ class Engine:
         self._profiling = False
         self._profile_lock = threading.Lock()
         self._shutdown = False
-        if warmup:
+        self.failure: str | None = None  # multi-process: why the process group failed (the engine is then dead)
+        if channel is not None and hasattr(channel, "barrier"):
+            channel.barrier("engine")  # every process loaded: the first collective will not wait on a slow load
+        if warmup and self.is_leader:  # followers compile as they follow the leader's warm-up calls
             self.warmup()
         if profile_dir is not None:
             self.start_profile(profile_dir)
@@ -287,6 +290,8 @@ class Engine:
         """Enqueue a validated request (thread-safe)."""
         if self._shutdown:
             raise RuntimeError("the engine is shut down")
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
         self._inbox.put(("add", req))
         self._wakeup.set()
         return req
@@ -325,9 +330,16 @@ class Engine:
         """One scheduler round (drains the inbox first). Returns whether there is more work."""
         with self._lock:
             self._drain_inbox()
-            if self.scheduler.has_work():
+            if self.failure is not None:
+                self._fail_all(RuntimeError(self.failure))
+            elif self.scheduler.has_work():
                 with jax.profiler.StepTraceAnnotation("engine_step", step_num=self._steps):
-                    self.scheduler.step()
+                    try:
+                        self.scheduler.step()
+                    except Exception as e:
+                        if self.runner.channel is None:
+                            raise
+                        raise self._group_failed(e) from e
                 self._steps += 1
                 if self._profiling and self._profile_steps and self._steps >= self._profile_stop_at:
                     self.stop_profile()
@@ -351,13 +363,41 @@ class Engine:
                 self._fail_all(e)
                 busy = False
             if not busy:
+                self._keepalive()
                 self._wakeup.wait(0.05)
                 self._wakeup.clear()
 
     def _fail_all(self, error: Exception) -> None:
+        message = str(error) if self.failure is not None else f"internal error: {type(error).__name__}: {error}"
         with self._lock:
             for req in list(self.scheduler.running) + list(self.scheduler.waiting):
-                self.scheduler.abort(req, message=f"internal error: {type(error).__name__}: {error}")
+                self.scheduler.abort(req, message=message)
+
+    def _keepalive(self) -> None:
+        """Multi-process leader, idle: keep the followers' wait under the collective timeout (and notice a dead
+        follower while no request runs)."""
+        keepalive = getattr(self.runner.channel, "keepalive", None)
+        if keepalive is None or self.failure is not None:
+            return
+        try:
+            with self._lock:
+                keepalive()
+        except Exception as e:
+            self._group_failed(e)
+
+    def _group_failed(self, error: Exception) -> RuntimeError:
+        """A device call or a broadcast failed in a multi-process engine: the mesh cannot be trusted any more
+        (a process is gone, or the processes may have diverged). Fail every request with one clear message and
+        refuse new ones; returns the error to raise."""
+        from dllm_jax.distributed import GroupFailure, lost_reason
+
+        if self.failure is None:
+            cause = str(error) if isinstance(error, GroupFailure) else \
+                f"a device call failed ({lost_reason()}?): {type(error).__name__}: {error}"
+            self.failure = f"multi-process engine failed: {cause}; every process of the group must be restarted"
+            log.error("%s", self.failure)
+        self._fail_all(RuntimeError(self.failure))
+        return GroupFailure(self.failure)
 
     @property
     def is_leader(self) -> bool:
@@ -366,9 +406,16 @@ class Engine:
 
     def follow(self) -> int:
         """Follower hosts: run the leader's device calls until it shuts down (see dllm_jax.distributed)."""
+        from dllm_jax.distributed import GroupFailure, lost_reason
+
         if self.runner.channel is None:
             raise RuntimeError("follow() needs a multi-host channel (several processes)")
-        return self.runner.follow()
+        try:
+            return self.runner.follow()
+        except GroupFailure:
+            raise
+        except Exception as e:  # a collective inside a replayed step: the leader or another follower is gone
+            raise GroupFailure(f"a replayed device call failed ({lost_reason()}?): {type(e).__name__}: {e}") from e
 
     def shutdown(self) -> None:
         if self._shutdown:
@@ -384,7 +431,7 @@ class Engine:
                 self.scheduler.abort(req, message="engine shut down")
         if self._profiling:
             self.stop_profile()
-        if self.is_leader:
+        if self.is_leader and self.failure is None:
             self.runner.stop_followers()
         self._shutdown = True
 

@@ -21,6 +21,8 @@ async def health(request: Request):
     server = getattr(request.app.state, "server", None)
     if server is None or not server.ready:
         return JSONResponse({"status": "unavailable"}, status_code=503)
+    if getattr(server.engine, "failure", None) is not None:  # a multi-process group lost a process
+        return JSONResponse({"status": "failed", "error": server.engine.failure}, status_code=503)
     return {"status": "ok"}
 
 

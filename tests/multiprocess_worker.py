@@ -1,0 +1,87 @@
+"""One process of a two-process engine (tests/test_multiprocess.py starts two of these, 2 CPU devices each).
+
+    python tests/multiprocess_worker.py SPEC.json
+
+The spec (JSON): ``process_id``, ``coordinator`` (host:port), ``model``, ``engine`` (Engine keyword arguments,
+``tensor_parallel_size`` included), ``collective_timeout``, ``out`` (where this process writes its JSON result),
+``runs`` and optionally ``die``:
+
+* for each entry of ``runs`` (``schedule``, ``batches`` of prompts, ``params``) the leader builds an engine,
+  answers every batch and shuts it down; the follower builds the same engine and follows it until the stop
+  message.
+* then, with ``die``: the leader runs a new engine's loop in a thread (as the server does) and streams one long
+  request (``prompt``, ``params``); the follower SIGKILLs itself when it receives call number ``die_at_call``
+  (after writing the time). The leader records when and how its request failed, and whether a new request is
+  refused, then exits at once (:func:`dllm_jax.distributed.hard_exit`).
+* without ``die`` both exit through the normal interpreter exit (JAX's shutdown barrier meets the other's).
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+
+def main(spec_path: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    from dllm_jax import Engine, distributed
+
+    distributed.initialize(spec["coordinator"], 2, spec["process_id"],
+                           collective_timeout_s=spec.get("collective_timeout"))
+    leader = spec["process_id"] == 0
+    out = {"runs": []}
+    for run in spec["runs"]:
+        engine = Engine(spec["model"], schedule=run["schedule"], **spec["engine"])
+        if leader:
+            results = [engine.generate(input_ids=batch, sampling_params=run["params"]) for batch in run["batches"]]
+            out["runs"].append({"outputs": [[r["output_ids"] for r in res] for res in results],
+                                "cached": [[r["meta_info"]["cached_tokens"] for r in res] for res in results],
+                                "calls": engine.runner.device_calls})
+        else:
+            out["runs"].append({"calls": engine.follow()})
+        engine.shutdown()
+    _write(spec["out"], out)
+    if "die" not in spec:
+        return
+    die = spec["die"]
+    engine = Engine(spec["model"], **spec["engine"])
+    if leader:
+        engine.start()
+        chunks = list(engine.generate(input_ids=die["prompt"], sampling_params=die["params"], stream=True))
+        out["failed_at"] = time.time()
+        out["finish_reason"] = chunks[-1]["meta_info"]["finish_reason"]
+        out["tokens"] = sum(len(c["output_ids"]) for c in chunks)
+        try:
+            engine.generate(input_ids=die["prompt"], sampling_params={"max_new_tokens": 4})
+            out["refused"] = None
+        except RuntimeError as e:
+            out["refused"] = str(e)
+        out["failure"] = engine.failure
+        engine.shutdown()
+        _write(spec["out"], out)
+        distributed.hard_exit(0)  # JAX's exit handler would wait for the lost process at its shutdown barrier
+    channel = engine.runner.channel
+    recv, calls = channel.recv, [0]
+
+    def dying_recv(template_fn):
+        header, arrays = recv(template_fn)
+        calls[0] += 1
+        if calls[0] == die["die_at_call"]:
+            _write(spec["out"], dict(out, died_at=time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return header, arrays
+
+    channel.recv = dying_recv
+    engine.follow()
+
+
+def _write(path: str, obj) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f)
+    os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
