@@ -188,7 +188,7 @@ def plan_grid(name: str, cfg: ModelConfig, *, degrees=PLAN_DEGREES, **kwargs) ->
 def _size(n: int) -> str:
     for unit, scale in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
-            return f"{n / scale:.2f} {unit}" if unit == "GiB" else f"{n / scale:.0f} {unit}"
+            return f"{n / scale:.3g} {unit}"
     return f"{n} B"
 
 
