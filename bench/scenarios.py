@@ -591,6 +591,12 @@ def cpu_matmul(ctx: Ctx) -> dict:
     return run(ctx)
 
 
+def provisional(ctx: Ctx) -> dict:
+    from bench.provisional import provisional as run
+
+    return run(ctx)
+
+
 SCENARIOS = {
     "baseline": baseline,
     "concurrency": concurrency,
@@ -606,6 +612,7 @@ SCENARIOS = {
     "startup": startup,
     "invariance": invariance,
     "cpu_matmul": cpu_matmul,
+    "provisional": provisional,
 }
 DEFAULT_SCENARIOS = ("baseline", "concurrency", "prefix", "long", "schedules", "engine", "efficiency", "moe",
                      "roofline")
