@@ -167,19 +167,37 @@ def stream(engine, prompt, params):
     return list(engine.generate(input_ids=prompt, sampling_params=params, stream=True, stream_provisional=True))
 
 
+def streams(engine, prompts, params_list):
+    """Several provisional streams decoded together (one batch: one compiled variant serves them all)."""
+    from dllm_jax.engine.engine import ChunkSink
+
+    sinks = [ChunkSink(engine) for _ in prompts]
+    reqs = [engine.make_request(list(p), params, on_event=sink, provisional=True)
+            for p, params, sink in zip(prompts, params_list, sinks)]
+    for req in reqs:
+        engine.submit(req)
+    while engine.step():
+        pass
+    out = []
+    for sink in sinks:
+        frames = []
+        while not sink.chunks.empty():
+            frames.append(sink.chunks.get())
+        out.append(frames)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # Tests
 # ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_logprobs_equal_transformers_log_softmax(engines, hf32, sampled):
+def test_logprobs_equal_transformers_log_softmax(engines, hf32):
+    """Greedy rows take the fused path: the confidence path's log-sum-exp, one LM-head column per position, the
+    tiled top-k (sampled rows, on materialised tempered logits, are checked with the penalties below)."""
     engine = engines("fdfo")
     params = {"max_new_tokens": 10, "ignore_eos": True, "return_logprob": True, "top_logprobs_num": K}
-    if sampled:
-        params.update(temperature=0.7, seed=11)
     checked = 0
-    for prompt in PROMPTS:
-        frames = stream(engine, prompt, params)
+    for prompt, frames in zip(PROMPTS, streams(engine, PROMPTS, [params] * len(PROMPTS))):
         checked += check_logprobs(hf32, prompt, frames, params)
     assert checked == 10 * len(PROMPTS)
     # the plain (non-streamed) answer carries the same lists
@@ -199,45 +217,41 @@ def test_streamed_chunks_carry_their_entries(engines):
         assert len(lps) == seen + len(c["output_ids"]) == len(c["meta_info"]["output_top_logprobs"])
         assert [t for _, t, _ in lps[seen:]] == c["output_ids"]
         seen += len(c["output_ids"])
-    plain = engine.generate(input_ids=PROMPTS[0], sampling_params={k: v for k, v in params.items()
-                                                                   if k not in ("return_logprob", "top_logprobs_num")})
-    assert "output_token_logprobs" not in plain["meta_info"]
-    assert plain["output_ids"] == [t for _, t, _ in chunks[-1]["meta_info"]["output_token_logprobs"]]
-    only = engine.generate(input_ids=PROMPTS[0], sampling_params=params, return_logprob=True, top_logprobs_num=0)
-    assert "output_top_logprobs" not in only["meta_info"]
-    assert [x[0] for x in only["meta_info"]["output_token_logprobs"]] == pytest.approx(
-        [x[0] for x in chunks[-1]["meta_info"]["output_token_logprobs"]], abs=1e-5)
 
 
 def test_sync_records_the_step_that_wrote_each_position(engines):
     """The synchronous schedule runs the block loop on the device: each position keeps the figures of the step
-    that wrote it (the same as FDFO's, which are checked against transformers above)."""
-    params = {"max_new_tokens": 10, "ignore_eos": True, "return_logprob": True, "top_logprobs_num": K}
-    for prompt in PROMPTS:
-        fdfo = engines("fdfo").generate(input_ids=prompt, sampling_params=params)["meta_info"]
-        sync = engines("sync").generate(input_ids=prompt, sampling_params=params)["meta_info"]
-        a, b = fdfo["output_token_logprobs"], sync["output_token_logprobs"]
-        assert [t for _, t, _ in a] == [t for _, t, _ in b]
+    that wrote it (the same as FDFO's, which are checked against transformers above). Without alternatives
+    (``top_logprobs_num`` 0: the cheaper variant, no top-k pass) and through ``generate(return_logprob=...)``."""
+    params = {"max_new_tokens": 10, "ignore_eos": True}
+    fdfo = engines("fdfo").generate(input_ids=PROMPTS, sampling_params={**params, "return_logprob": True,
+                                                                        "top_logprobs_num": K})
+    sync = engines("sync").generate(input_ids=PROMPTS, sampling_params=params, return_logprob=True)
+    for f, s in zip(fdfo, sync):
+        a, b = f["meta_info"]["output_token_logprobs"], s["meta_info"]["output_token_logprobs"]
+        assert [t for _, t, _ in a] == [t for _, t, _ in b] == s["output_ids"]
         assert np.allclose([x[0] for x in a], [x[0] for x in b], atol=1e-5)
-        assert [[t for _, t, _ in top] for top in fdfo["output_top_logprobs"]] == \
-            [[t for _, t, _ in top] for top in sync["output_top_logprobs"]]
+        assert "output_top_logprobs" not in s["meta_info"]
 
 
 PENALTIES = {"presence_penalty": 0.8, "frequency_penalty": 0.6, "repetition_penalty": 1.6,
-             "logit_bias": {"45": 1.5, "6": -3.0, "39": 100}, "min_new_tokens": 6}
+             "logit_bias": {"45": 1.5, "6": -3.0, "39": 2.0}, "min_new_tokens": 6}
 
 
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_penalties_change_the_distribution_as_specified(engines, hf32, sampled):
+def test_penalties_and_temperature_change_the_distribution_as_specified(engines, hf32):
+    """One batch (one compiled variant): a greedy row with penalties, a sampled row with penalties and a sampled
+    row without; each figure against the NumPy formulas on transformers' logits, divided by the temperature."""
     engine = engines("fdfo")
-    params = {"max_new_tokens": 12, "return_logprob": True, "top_logprobs_num": K, **PENALTIES}
-    if sampled:
-        params.update(temperature=0.8, seed=5)
-    for prompt in PROMPTS[:2]:
-        frames = stream(engine, prompt, params)
-        check_logprobs(hf32, prompt, frames, params, PENALTIES)
-        out = frames[-1]["meta_info"]["output_token_logprobs"]
-        assert TINY_EOS_ID not in [t for _, t, _ in out[:6]]  # min_new_tokens
+    base = {"max_new_tokens": 12, "return_logprob": True, "top_logprobs_num": K}
+    rows = [({**base, **PENALTIES}, PENALTIES), ({**base, **PENALTIES, "temperature": 0.8, "seed": 5}, PENALTIES),
+            ({**base, "temperature": 0.7, "seed": 11, "ignore_eos": True}, None)]
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[0]]
+    outs = streams(engine, prompts, [params for params, _ in rows])
+    for prompt, frames, (params, penalties) in zip(prompts, outs, rows):
+        assert check_logprobs(hf32, prompt, frames, params, penalties) >= 7
+        if penalties:
+            out = [t for _, t, _ in frames[-1]["meta_info"]["output_token_logprobs"]]
+            assert TINY_EOS_ID not in out[:6]  # min_new_tokens
 
 
 def test_min_new_tokens_then_eos(engines):
@@ -245,7 +259,7 @@ def test_min_new_tokens_then_eos(engines):
     engine = engines("fdfo")
     out = engine.generate(input_ids=PROMPTS[0], sampling_params={
         "max_new_tokens": 20, "min_new_tokens": 5, "logit_bias": {str(TINY_EOS_ID): 100}, "return_logprob": True,
-        "top_logprobs_num": K})  # (the variant the tests above compiled)
+        "top_logprobs_num": K, "temperature": 1.0, "seed": 0})  # (the variant the test above compiled)
     assert len(out["output_ids"]) == 6 and out["output_ids"][-1] == TINY_EOS_ID
     lps = out["meta_info"]["output_token_logprobs"]
     assert lps[-1][0] > -1e-3  # EOS was certain once allowed
@@ -256,10 +270,14 @@ def test_plain_batches_run_the_plain_step(engines):
     """Without logprobs and penalties no variant is ever built; neutral values count as none."""
     engine = engines("fdfo")
     engine.runner._variants.clear()
-    neutral = {"max_new_tokens": 6, "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1,
-               "logit_bias": {}, "min_new_tokens": 0, "return_logprob": False, "top_logprobs_num": 3}
-    engine.generate(input_ids=[list(p) for p in PROMPTS], sampling_params=neutral)
+    neutral = {"max_new_tokens": 10, "ignore_eos": True, "presence_penalty": 0, "frequency_penalty": 0.0,
+               "repetition_penalty": 1, "logit_bias": {}, "min_new_tokens": 0, "return_logprob": False,
+               "top_logprobs_num": 3}
+    outs = engine.generate(input_ids=[list(p) for p in PROMPTS], sampling_params=neutral)
     assert engine.runner._variants == {}
+    assert all("output_token_logprobs" not in o["meta_info"] for o in outs)
+    with_lp = engine.generate(input_ids=PROMPTS[0], sampling_params={**neutral, "return_logprob": True})
+    assert with_lp["output_ids"] == outs[0]["output_ids"]  # the variant decides as the plain step does
 
 
 @pytest.mark.parametrize("bad, field", [
@@ -387,7 +405,8 @@ def test_followers_replay_variant_calls(tiny_model, make_engine):
     thread = threading.Thread(target=lambda: result.setdefault("calls", follower.follow()))
     thread.start()
     leader.generate(input_ids=PROMPTS[:2], sampling_params=[
-        {"max_new_tokens": 8, "return_logprob": True, "top_logprobs_num": K, **PENALTIES},
+        {"max_new_tokens": 8, "return_logprob": True, "top_logprobs_num": K, **PENALTIES, "temperature": 0.8,
+         "seed": 5},
         {"max_new_tokens": 8, "return_logprob": True, "top_logprobs_num": K}])
     calls = r.device_calls
     leader.shutdown()
