@@ -5,7 +5,7 @@
     python -m bench baseline engine         # chosen scenarios
     python -m bench --profile-dir prof/     # also record a JAX profiler trace of a window of engine steps
 
-Scenarios: baseline, concurrency, prefix, long, schedules, engine, roofline (GPU), kernels, radix.
+Scenarios: baseline, concurrency, prefix, long, schedules, engine, roofline (GPU), kernels, radix, load, bf16.
 Outputs (default ``bench_out/``): ``<scenario>.json``, ``<scenario>.png``, ``summary.json`` (every target figure,
 met or not) and ``summary.txt``. See ``bench/README.md``.
 """
@@ -63,6 +63,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="levels of the efficiency scenario (1,16,64)")
     p.add_argument("--efficiency-models", type=_names, default=None,
                    help="models of the efficiency scenario (shipped,random50m; --quick: shipped)")
+    p.add_argument("--load-dir", default=None,
+                   help="load / bf16 scenarios: where their 1.7B-shaped checkpoints go and are reused (kept; default: "
+                        "a temporary directory, deleted at the end)")
+    p.add_argument("--load-keep", action="store_true", help="keep the temporary checkpoints of load / bf16")
+    p.add_argument("--load-layers", type=int, default=None, help="layers of the load checkpoint (28; --quick: 4)")
+    p.add_argument("--load-repeats", type=int, default=None, help="fresh-process rounds of the load scenario (3)")
+    p.add_argument("--load-convert", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time dllm-jax convert and loading its output (default: on unless --quick)")
+    p.add_argument("--bf16-layers", type=int, default=None, help="layers of the bf16 scenario's model (28; --quick: 4)")
+    p.add_argument("--bf16-prompts", type=int, default=None, help="prompts of the bf16 agreement (20; --quick: 8)")
+    p.add_argument("--bf16-tokens", type=int, default=None, help="greedy tokens per prompt in the bf16 scenario (8)")
     p.add_argument("--hf-threads", type=int, default=None,
                    help="torch threads for the transformers loop (default: the faster of 1 and all, measured)")
     p.add_argument("--profile-dir", default=None,
@@ -83,6 +94,9 @@ def ctx_from_args(args: argparse.Namespace):
         "schedule_requests": args.schedule_requests, "schedule_models": args.schedule_models,
         "hf_threads": args.hf_threads, "efficiency_concurrency": args.efficiency_concurrency,
         "efficiency_models": args.efficiency_models,
+        "load_dir": args.load_dir, "load_keep": args.load_keep or None, "load_layers": args.load_layers,
+        "load_repeats": args.load_repeats, "load_convert": args.load_convert, "bf16_layers": args.bf16_layers,
+        "bf16_prompts": args.bf16_prompts, "bf16_tokens": args.bf16_tokens,
     }
     command = "python -m bench" + (" --quick" if args.quick else "")
     return Ctx(out_dir=args.out, quick=args.quick, seed=args.seed, threshold=args.threshold,

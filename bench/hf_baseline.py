@@ -34,7 +34,7 @@ class HFBlockDiffusion:
     """``HFBlockDiffusion(model_dir).generate(prompt_ids, max_new_tokens)`` -> dict (see :meth:`generate`)."""
 
     def __init__(self, model_dir: str, *, block_size: int | None = None, threshold: float = 0.95,
-                 attn_implementation: str = "sdpa", num_threads: int | None = None):
+                 attn_implementation: str = "sdpa", num_threads: int | None = None, dtype: str = "float32"):
         import torch
         from transformers import Qwen3ForCausalLM
 
@@ -49,7 +49,8 @@ class HFBlockDiffusion:
         self.mask_id = int(cfg.mask_token_id)
         self.eos_ids = frozenset(int(e) for e in cfg.eos_token_ids)
         self.threshold = float(threshold)
-        self.model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+        self.dtype = getattr(torch, dtype)  # float32 (the engine's CPU default) or bfloat16
+        self.model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=self.dtype,
                                                       attn_implementation=attn_implementation).eval()
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -99,8 +100,8 @@ class HFBlockDiffusion:
         torch = self.torch
         blk = torch.arange(n) // self.block_size
         visible = blk[None, :] <= blk[:, None]
-        mask = torch.zeros(n, n, dtype=torch.float32)
-        mask.masked_fill_(~visible, torch.finfo(torch.float32).min)
+        mask = torch.zeros(n, n, dtype=self.dtype)
+        mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
         return mask[None, None]
 
     def _select(self, logits, block: np.ndarray, immutable: np.ndarray) -> np.ndarray:
@@ -144,7 +145,7 @@ class HFBlockDiffusion:
                 block = np.full(B, mask_id, np.int64)
                 block[:n_imm] = prompt[offset:offset + n_imm]
                 immutable = np.arange(B) < n_imm
-                visible = torch.zeros(1, 1, B, offset + B)  # the block sees the whole prefix and itself
+                visible = torch.zeros(1, 1, B, offset + B, dtype=self.dtype)  # the whole prefix and itself
                 while True:
                     if not ((block == mask_id) & ~immutable).any():
                         # The block is final: one forward over it stores its K/V (no logits needed).

@@ -579,6 +579,18 @@ def startup(ctx: Ctx) -> dict:
     return run(ctx)
 
 
+def load(ctx: Ctx) -> dict:
+    from bench.load import load as run
+
+    return run(ctx)
+
+
+def bf16(ctx: Ctx) -> dict:
+    from bench.load import bf16 as run
+
+    return run(ctx)
+
+
 def invariance(ctx: Ctx) -> dict:
     from bench.invariance import invariance as run
 
@@ -613,6 +625,8 @@ SCENARIOS = {
     "invariance": invariance,
     "cpu_matmul": cpu_matmul,
     "provisional": provisional,
+    "load": load,
+    "bf16": bf16,
 }
 DEFAULT_SCENARIOS = ("baseline", "concurrency", "prefix", "long", "schedules", "engine", "efficiency", "moe",
                      "roofline")

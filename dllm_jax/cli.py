@@ -33,7 +33,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule", choices=("fdfo", "sync"), default="fdfo")
     g.add_argument("--disable-prefix-cache", action="store_true")
     g.add_argument("--max-running-requests", type=int, default=None)
-    g.add_argument("--num-kv-pages", type=int, default=None)
+    g.add_argument("--num-kv-pages", type=int, default=None,
+                   help="KV page pool size (default: chosen by --mem-fraction)")
+    g.add_argument("--mem-fraction", type=float, default=None,
+                   help="share of the memory free after the weights are placed that the KV pool takes: of the "
+                        "GPU's free memory (default 0.85), of the available host memory on CPU (default 0.25)")
+    g.add_argument("--sampling-defaults", choices=("model", "none"), default="model",
+                   help="defaults of a request's unset temperature / top_p / top_k: the model's "
+                        "generation_config.json (model), or greedy (none)")
     g.add_argument("--context-length", type=int, default=None)
     g.add_argument("--max-prefill-tokens", type=int, default=None)
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
@@ -97,7 +104,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                   dtype=args.dtype, attention_backend=args.attention_backend,
                   confidence_backend=args.confidence_backend, tensor_parallel_size=args.tensor_parallel_size,
                   profile_dir=args.profile_dir, seed=args.seed, warmup=bool(args.warmup),
-                  compilation_cache=args.compilation_cache)
+                  compilation_cache=args.compilation_cache,
+                  sampling_defaults=getattr(args, "sampling_defaults", "model"))
     buckets = getattr(args, "shape_buckets", None)
     if buckets is not None:
         try:
@@ -107,9 +115,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         if not isinstance(buckets, dict):
             raise ValueError("--shape-buckets: must be a JSON object, e.g. '{\"rows\": [8]}'")
         kwargs["shape_buckets"] = buckets
-    for name in ("max_running_requests", "num_kv_pages", "context_length", "max_prefill_tokens"):
-        if getattr(args, name) is not None:
-            kwargs[name] = getattr(args, name)
+    for name in ("max_running_requests", "num_kv_pages", "mem_fraction", "context_length", "max_prefill_tokens"):
+        if getattr(args, name, None) is not None:
+            kwargs[name] = getattr(args, name, None)
     return kwargs
 
 
@@ -166,9 +174,9 @@ def cmd_generate(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from dllm_jax.model.loader import convert_to_orbax
+    from dllm_jax.model.loader import convert_checkpoint
 
-    convert_to_orbax(args.hf_dir, args.out_dir, dtype=args.dtype)
+    convert_checkpoint(args.hf_dir, args.out_dir, dtype=args.dtype, progress=sys.stderr.isatty())
     print(f"wrote {args.out_dir}")
     return 0
 
@@ -220,7 +228,8 @@ def main(argv=None) -> int:
     add_engine_arguments(g)
     g.set_defaults(fn=cmd_generate)
 
-    c = sub.add_parser("convert", help="convert a HF safetensors directory to an Orbax checkpoint directory")
+    c = sub.add_parser("convert", help="convert a HF safetensors directory to the engine's own layout (matrices "
+                                       "pre-transposed, in --dtype), which loads at the speed of reading it")
     c.add_argument("hf_dir")
     c.add_argument("out_dir")
     c.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")

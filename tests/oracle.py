@@ -393,7 +393,9 @@ def _transformers_logits(model_dir):
     cls = transformers.Qwen3MoeForCausalLM if moe else transformers.Qwen3ForCausalLM
     hf_cfg = (transformers.Qwen3MoeConfig if moe else transformers.Qwen3Config)(**{
         k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "auto_map")})
-    model = cls.from_pretrained(model_dir, config=hf_cfg, dtype=torch.float64, attn_implementation="eager").eval()
+    extra = {"experts_implementation": "eager"} if moe else {}  # grouped_mm has no float64 kernel
+    model = cls.from_pretrained(model_dir, config=hf_cfg, dtype=torch.float64, attn_implementation="eager",
+                                **extra).eval()
     def logits_fn(tokens, block):
         n = len(tokens)
         blk = torch.arange(n) // block

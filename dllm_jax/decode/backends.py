@@ -87,6 +87,11 @@ def confidence_stats(backend: str, params, hidden, *, exclude_token_id, mesh=Non
 
         fn = get_confidence_fn(backend, vocab_major=True)
         return fn(hidden, params["embed"], exclude_token_id=exclude_token_id)
+    if backend == "xla":  # the tied head contracted as stored (``embed.T`` is copied on XLA:CPU in bf16)
+        from dllm_jax.model.qwen3 import logits_from_hidden
+        from pallas_kernels.confidence import confidence_stats_from_logits
+
+        return confidence_stats_from_logits(logits_from_hidden(params, hidden), exclude_token_id=exclude_token_id)
     head = params["lm_head"] if "lm_head" in params else params["embed"].T
     return confidence_function(backend)(hidden, head, exclude_token_id=exclude_token_id)
 

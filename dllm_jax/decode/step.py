@@ -33,7 +33,7 @@ from dllm_jax.decode.algorithms import entropy as entropy_of
 from dllm_jax.decode import logprobs as lp
 from dllm_jax.decode.backends import attention_function, confidence_stats
 from dllm_jax.decode.penalties import Penalties, apply_penalties
-from dllm_jax.model.qwen3 import forward_chunk, lm_head_matrix
+from dllm_jax.model.qwen3 import forward_chunk, logits_from_hidden
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +171,7 @@ def candidates(params, hidden, batch: DenoiseBatch, spec: StepSpec) -> tuple[Can
         if not spec.needs_logits:
             scores = _Scores(None, hidden, lse.reshape(rows, block)) if spec.logprobs else None
             return Candidates(tokens=tokens, confidence=confidence), scores
-        logits = jnp.dot(hidden, lm_head_matrix(params), preferred_element_type=jnp.float32)
+        logits = logits_from_hidden(params, hidden)
         logits = _exclude_mask(logits, spec.mask_id)
         if spec.penalties:
             pen = batch.penalties

@@ -32,14 +32,15 @@ from dllm_jax.decode.backends import resolve_backend
 from dllm_jax.decode.step import kv_bytes_per_page
 from dllm_jax.engine.request import Phase, Request
 from dllm_jax.engine.runner import ModelRunner
+from dllm_jax.engine.memory import plan_kv_pool
 from dllm_jax.engine.sampling import SamplingParams
 from dllm_jax.engine.scheduler import Scheduler
+from dllm_jax.model.qwen3 import kv_storage_dtype
 
 log = logging.getLogger("dllm_jax")
 
 SCHEDULES = ("fdfo", "sync")
 DEFAULT_MAX_RUNNING_REQUESTS = 32
-CPU_KV_BUDGET_BYTES = 1 << 30
 
 
 def default_model_path() -> str:
@@ -56,7 +57,14 @@ class Engine:
     ``block_size`` key overrides the model's), ``schedule`` (``"fdfo"``: one denoise step per round, rows join
     and leave between steps; ``"sync"``: each round runs whole blocks on the device), ``enable_prefix_cache``,
     ``max_running_requests`` (rows per denoise step; default 32), ``num_kv_pages`` (page pool size; small
-    values force retraction), ``dtype`` (``"auto"``: bfloat16 on GPU, float32 on CPU), ``attention_backend`` /
+    values force retraction; default: chosen by ``mem_fraction``), ``mem_fraction`` (share of the memory free
+    once the weights are placed that the KV pool takes: of the device's free memory on GPU, default 0.85, of the
+    available host memory on CPU, default 0.25; too little for one request at ``context_length`` is a
+    ValueError; see :mod:`dllm_jax.engine.memory`), ``sampling_defaults`` (``"model"``, the default: a request's
+    unset ``temperature`` / ``top_p`` / ``top_k`` take the values of the model's ``generation_config.json``,
+    ``do_sample: false`` meaning greedy; ``"none"``: SamplingParams' own defaults, greedy), ``dtype``
+    (``"auto"``: bfloat16 on GPU, float32 on CPU; ``"bfloat16"`` works on CPU too: weights, KV pool and
+    activations in bf16, with float32 norms, softmaxes, logits and decisions), ``attention_backend`` /
     ``confidence_backend`` (``auto | pallas | xla | pallas_interpret``; ``pallas`` needs a GPU, refused otherwise),
     ``tensor_parallel_size`` / ``expert_parallel_size`` (a
     device mesh; see :mod:`dllm_jax.sharding`), ``profile_dir``, ``seed``,
@@ -80,7 +88,8 @@ class Engine:
                  tensor_parallel_size: int = 1, expert_parallel_size: int = 1, profile_dir: str | None = None,
                  profile_steps: int = 64,
                  seed: int = 0, context_length: int | None = None, max_prefill_tokens: int = 2048,
-                 mask_token_id: int | None = None, warmup: bool = False, kv_memory_fraction: float = 0.85,
+                 mask_token_id: int | None = None, warmup: bool = False, mem_fraction: float | None = None,
+                 sampling_defaults: str = "model",
                  fold_commit_forward: bool = True, channel=None, compilation_cache: str | None = None,
                  progress: bool | None = None, shape_buckets: dict | None = None):
         from dllm_jax.model.loader import load_model
@@ -114,6 +123,7 @@ class Engine:
                             progress=self.progress)
         self.config = cfg = loaded.config
         self.tokenizer = loaded.tokenizer
+        self.default_sampling_params = _sampling_defaults(self.model_path, sampling_defaults, cfg.vocab_size)
         self.block_size = B = cfg.block_size
         self.mask_token_id = cfg.mask_token_id
         self.eos_token_ids = tuple(cfg.eos_token_ids)
@@ -127,18 +137,13 @@ class Engine:
         if max_prefill_tokens < B:
             raise ValueError(f"max_prefill_tokens: must be at least one block ({B}), got {max_prefill_tokens}")
         pages_per_row = math.ceil(self.context_length / B)
-        page_bytes = kv_bytes_per_page(cfg, B, dtype)
-        if num_kv_pages is None:
-            if on_gpu:
-                stats = jax.devices()[0].memory_stats() or {}
-                free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-                num_kv_pages = int(kv_memory_fraction * free // page_bytes)
-            else:
-                num_kv_pages = min(max_running_requests * pages_per_row + 1, CPU_KV_BUDGET_BYTES // page_bytes)
-            num_kv_pages = max(num_kv_pages, 2)
-        if not isinstance(num_kv_pages, int) or num_kv_pages < 2:
-            raise ValueError(f"num_kv_pages: must be an integer >= 2 (page 0 is reserved), got {num_kv_pages!r}")
-        self.num_kv_pages = num_kv_pages
+        # The KV pool: a share of the memory left now that the weights are placed (dllm_jax.engine.memory).
+        self.kv_budget = plan_kv_pool(
+            page_bytes=kv_bytes_per_page(cfg, B, dtype), block_size=B, context_length=self.context_length,
+            max_running_requests=max_running_requests, mem_fraction=mem_fraction, device=jax.devices()[0],
+            num_kv_pages=num_kv_pages)
+        self.num_kv_pages = num_kv_pages = self.kv_budget.num_pages
+        log.info("%s", self.kv_budget.describe(self.context_length))
         self.max_running_requests = max_running_requests
         self.enable_prefix_cache = enable_prefix_cache
 
@@ -159,7 +164,7 @@ class Engine:
             num_pages=num_kv_pages, max_rows=max_running_requests, max_pages_per_row=pages_per_row,
             max_prefill_blocks=max(1, min(max_prefill_tokens // B, pages_per_row)), loop=schedule == "sync",
             attention_backend=self.attention_backend, confidence_backend=self.confidence_backend,
-            kv_dtype=jnp.dtype(dtype), mesh=mesh, channel=channel, fold_commit=fold_commit_forward,
+            kv_dtype=kv_storage_dtype(dtype), mesh=mesh, channel=channel, fold_commit=fold_commit_forward,
             shape_buckets=shape_buckets)
         self.allocator = PageAllocator(num_kv_pages)
         self.radix = BlockRadixIndex(B, self.allocator, enabled=enable_prefix_cache)
@@ -208,6 +213,9 @@ class Engine:
             "enable_prefix_cache": self.enable_prefix_cache,
             "max_running_requests": self.max_running_requests,
             "num_kv_pages": self.num_kv_pages,
+            "kv_pool_tokens": self.kv_budget.tokens,
+            "kv_pool_bytes": self.kv_budget.pool_bytes,
+            "default_sampling_params": dict(self.default_sampling_params),
             "context_length": self.context_length,
             "dtype": self.dtype,
             "attention_backend": self.attention_backend,
@@ -254,7 +262,7 @@ class Engine:
                      rid: str | None = None, on_event: Callable | None = None,
                      field: str = "input_ids", provisional: bool = False) -> Request:
         """Validate one request (ValueError naming the field on bad input) and build it; does not enqueue."""
-        params = SamplingParams.from_dict(sampling_params, vocab_size=self.config.vocab_size)
+        params = SamplingParams.from_dict(self._with_defaults(sampling_params), vocab_size=self.config.vocab_size)
         if not isinstance(input_ids, (list, tuple)) or not all(_is_int(t) for t in input_ids):
             raise ValueError(f"{field}: must be a list of integer token ids")
         vocab = self.config.vocab_size
@@ -270,6 +278,15 @@ class Engine:
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2 ** 32))
         return Request(rid=rid or uuid.uuid4().hex, prompt_ids=[int(t) for t in input_ids], params=params,
                        seed=seed, on_event=on_event, provisional=provisional)
+
+    def _with_defaults(self, params):
+        """A request's sampling params over the model's defaults (generation_config.json): a key the request leaves
+        out, or sets to null, takes the default. A ready-made SamplingParams is used as given."""
+        if not self.default_sampling_params or not (params is None or isinstance(params, dict)):
+            return params
+        merged = dict(self.default_sampling_params)
+        merged.update({k: v for k, v in (params or {}).items() if v is not None or k not in merged})
+        return merged
 
     def tokenize(self, text: str, field: str = "text") -> list[int]:
         if not isinstance(text, str):
@@ -680,6 +697,30 @@ class ChunkSink:
         chunk = self.engine.chunk(req)
         if chunk is not None:
             self.put(chunk)
+
+
+SAMPLING_DEFAULTS = ("model", "none")
+
+
+def _sampling_defaults(model_path: str, mode: str, vocab_size: int) -> dict:
+    """The defaults a request's unset sampling params take: ``generation_config.json``'s (``"model"``; see
+    :func:`dllm_jax.model.loader.generation_defaults`) or none (``"none"``: SamplingParams' own, i.e. greedy)."""
+    import dataclasses
+
+    from dllm_jax.model.loader import generation_defaults
+
+    if mode not in SAMPLING_DEFAULTS:
+        raise ValueError(f"sampling_defaults: must be one of {SAMPLING_DEFAULTS}, got {mode!r}")
+    if mode == "none":
+        return {}
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    defaults = {k: v for k, v in generation_defaults(model_path).items() if k in names}
+    try:
+        SamplingParams.from_dict(defaults, vocab_size=vocab_size, field_prefix="generation_config.json")
+    except ValueError as e:
+        raise ValueError(f"{os.path.join(model_path, 'generation_config.json')}: {e} (sampling_defaults='none' "
+                         f"ignores the file)") from None
+    return defaults
 
 
 def _is_int(v) -> bool:

@@ -20,6 +20,7 @@ written in bounded memory.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -282,7 +283,7 @@ def write_safetensors(path: str, tensors: list[tuple[str, tuple, np.dtype]], fil
             a = np.ascontiguousarray(fill(name))
             if a.shape != tuple(shape) or a.dtype != np.dtype(dtype):
                 raise ValueError(f"{name}: fill returned {a.dtype}{a.shape}, declared {np.dtype(dtype)}{tuple(shape)}")
-            f.write(a.tobytes())
+            f.write(a.reshape(-1).view(np.uint8))  # the array's own bytes, no copy
 
 
 def write_sharded(out_dir: str, specs: list[tuple[str, tuple, np.dtype]], fill, *, max_shard_bytes: int) -> list[str]:
@@ -544,3 +545,97 @@ def iter_tensors(config: dict, seed: int = 0, std: float = 0.02, embed_std: floa
     for name, shape, kind in tensor_specs(config):
         rng = np.random.default_rng([seed, _stable_hash(name)])
         yield name, random_tensor(rng, shape, kind, std=std, embed_std=embed_std)
+
+
+# ----------------------------------------------------------------------------------------------
+# A whole published directory
+# ----------------------------------------------------------------------------------------------
+
+LAYOUTS = ("sdar", "sdar_moe", "llada2")
+
+# Test-sized dimensions (a few hundred KB of weights; the vocabulary is the tokenizer's, padded to 64).
+TINY_DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16)
+TINY_MOE_DIMS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+TINY_LLADA2_DIMS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=4, topk_group=2)
+
+
+@dataclasses.dataclass
+class Published:
+    """What :func:`write_published` wrote: the directory, its config dicts and the special ids in it."""
+    path: str
+    layout: str
+    config: dict
+    generation_config: dict
+    token_ids: dict  # added token -> id
+    mask_token_id: int
+    eos_token_ids: tuple
+    shards: list
+    tensors: dict | None = None  # name -> bf16 array, when ``keep_tensors``
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        return checkpoint_bytes(self.path)
+
+
+def write_published(out_dir: str, layout: str = "sdar", *, dims: dict | None = None, seed: int = 0,
+                    std: float = 0.02, embed_std: float = 0.02, max_shard_bytes: int = 1 << 30,
+                    keep_tensors: bool = False, remote_code_traps: bool = True, bpe_vocab: int = 400,
+                    block_size: int | None = 4) -> Published:
+    """Write a checkpoint directory in a published layout with random bf16 weights.
+
+    ``layout``: ``"sdar"`` (SDAR-*-Chat: Qwen3 dense, Qwen2 tokenizer as vocab/merges/config/added tokens,
+    ``chat_template.jinja``, ``generation_config.json`` with an EOS list and sampling defaults), ``"sdar_moe"``
+    (SDAR-30B-A3B: Qwen3-MoE, same tokenizer files) or ``"llada2"`` (LLaDA2.0-mini: ``LLaDA2MoeModelLM``, fused
+    QKV, grouped sigmoid routing, ``tokenizer.json``). ``dims`` overrides the model dimensions (default: tiny
+    test sizes; :data:`SDAR_1P7B_SHAPE` is the 1.7B one); ``vocab_size`` defaults to the tokenizer's size padded
+    to 64, and is never smaller than it. The special ids (mask, EOS) are the tokenizer's, so config and
+    tokenizer agree as they do in the published directories (there the ids are 151669 and 151645 / 151643).
+    With ``remote_code_traps`` the ``.py`` files ``auto_map`` names are written, each raising on import.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    os.makedirs(out_dir, exist_ok=True)
+    base = dict(TINY_DIMS, **({"sdar_moe": TINY_MOE_DIMS, "llada2": TINY_LLADA2_DIMS}.get(layout, {})))
+    dims = dict(base, **(dims or {}))
+    if layout == "llada2":
+        ids = write_fast_tokenizer(out_dir, bpe_vocab=bpe_vocab)
+        vocab = max(int(dims.pop("vocab_size", 0) or 0), padded_vocab(max(ids.values()) + 1))
+        dims.pop("tie_word_embeddings", None)
+        eos = ids["<|endoftext|>"]
+        config = llada2_config(vocab_size=vocab, eos_token_id=eos, pad_token_id=eos, **dims)
+        mask = ids[LLADA2_MASK_TOKEN]
+        eos_ids = (eos, ids["<|role_end|>"])
+        generation = {"bos_token_id": eos, "eos_token_id": list(eos_ids), "pad_token_id": eos,
+                      "transformers_version": "4.52.3"}
+        with open(os.path.join(out_dir, "tokenizer_config.json")) as f:
+            tokenizer_config = json.load(f)
+    else:
+        ids = write_qwen2_tokenizer(out_dir, bpe_vocab=bpe_vocab)
+        vocab = max(int(dims.pop("vocab_size", 0) or 0), padded_vocab(max(ids.values()) + 1))
+        mask = ids[SDAR_MASK_TOKEN]
+        eos_ids = (ids["<|im_end|>"], ids["<|endoftext|>"])
+        endoftext = ids["<|endoftext|>"]
+        common = dict(vocab_size=vocab, mask_token_id=mask, block_size=block_size, bos_token_id=endoftext,
+                      eos_token_id=endoftext)
+        if layout == "sdar_moe":
+            moe_keys = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                        "mlp_only_layers")
+            moe = {k: dims.pop(k) for k in moe_keys if k in dims}
+            config = sdar_moe_config(**moe, **common, **dims)
+        else:
+            config = sdar_config(**common, **dims)
+        generation = sdar_generation_config(eos_token_ids=eos_ids, pad_token_id=endoftext, bos_token_id=endoftext)
+        with open(os.path.join(out_dir, "tokenizer_config.json")) as f:
+            tokenizer_config = json.load(f)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump(generation, f, indent=2)
+    keep = {} if keep_tensors else None
+    shards = write_weights(out_dir, config, seed=seed, std=std, embed_std=embed_std, max_shard_bytes=max_shard_bytes,
+                           keep=keep)
+    if remote_code_traps:
+        write_remote_code_traps(out_dir, config, tokenizer_config)
+    return Published(path=os.path.abspath(out_dir), layout=layout, config=config, generation_config=generation,
+                     token_ids=ids, mask_token_id=mask, eos_token_ids=eos_ids, shards=shards, tensors=keep)

@@ -28,7 +28,7 @@ from dllm_jax.model.templates import default_chat_template
 ORBAX_PARAMS_DIR = "params"
 ORBAX_MARKER = "dllm_jax_checkpoint.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json", "vocab.json", "merges.txt")
+                   "generation_config.json", "vocab.json", "merges.txt", "added_tokens.json")
 MASK_TOKEN_NAMES = ("<|MASK|>", "<|mask|>", "[MASK]", "<mask>")
 
 
@@ -375,12 +375,12 @@ def _safetensor_files(model_dir: str) -> list[str]:
 # Source dtypes a checkpoint may store (little-endian, as the format prescribes).
 _ST_DTYPES = {"BF16": np.dtype(jnp.bfloat16), "F16": np.dtype(np.float16), "F32": np.dtype(np.float32),
               "F64": np.dtype(np.float64)}
-# Tensors at least this big are read into page-aligned memory (which XLA:CPU adopts without a copy) with
-# transparent huge pages requested (first-touch page faults dominate a load on some hosts).
-_ALIGNED_MIN_BYTES = 1 << 20
-# A tensor converted on the device (transposed, split, cast) goes through a reused staging buffer; one larger
-# than this is converted in chunks of rows, so the staging buffer stays this small.
+# A tensor that needs a conversion (transpose, split, cast) larger than this is converted in chunks of rows
+# written into a donated output, so the conversion's temporary memory stays about this small.
 CHUNK_BYTES = 64 << 20
+# Conversions dispatched to the device before the loader waits for the oldest one: enough to keep the device
+# busy while Python prepares the next tensor, few enough that the inputs in flight stay small.
+MAX_IN_FLIGHT = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,16 +392,18 @@ class TensorInfo:
 
 
 class SafetensorsFile:
-    """One ``.safetensors`` file, read tensor by tensor.
+    """One ``.safetensors`` file, memory-mapped read-only and read tensor by tensor.
 
     The format is 8 bytes of little-endian header length, a JSON header (name -> dtype, shape, byte range), then
-    the raw data. Each tensor's bytes are read with ``os.preadv`` straight into the caller's buffer: one copy from
-    the page cache, and nothing of the file stays mapped (a memory-mapped shard counts in the process's RSS for
-    as long as it is mapped, and copying out of a mapping costs a page fault per page).
+    the raw data. :meth:`view` is a NumPy array on the mapped bytes (no copy: the page cache's pages are the
+    array); :meth:`release` unmaps a consumed range from this process (``MADV_DONTNEED``: the data stay in the
+    page cache, the process's resident set drops them), so at any time only the tensors being converted count in
+    the loader's RSS, not the whole shard. :meth:`prefetch` starts the kernel's read-ahead of a range.
     """
 
     def __init__(self, path: str):
         self.path = path
+        self._map = None
         try:
             self._fd = os.open(path, os.O_RDONLY)
         except OSError as e:
@@ -450,8 +452,51 @@ class SafetensorsFile:
             tensors[name] = TensorInfo(dtype, shape, 8 + n + int(begin), nbytes)
         return dict(sorted(tensors.items(), key=lambda kv: kv[1].offset))  # file order: sequential reads
 
+    def _mapping(self) -> mmap.mmap:
+        if self._map is None:
+            try:
+                self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"{self.path}: cannot map safetensors file ({e})") from e
+            with contextlib.suppress(AttributeError, OSError):
+                self._map.madvise(mmap.MADV_SEQUENTIAL)
+        return self._map
+
+    def _range(self, name: str, first_row: int = 0, rows: int | None = None) -> tuple[int, int, tuple]:
+        info = self.tensors[name]
+        if not info.shape:
+            return info.offset, info.nbytes, ()
+        row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
+        rows = info.shape[0] - first_row if rows is None else rows
+        return info.offset + first_row * row_bytes, rows * row_bytes, (rows,) + info.shape[1:]
+
+    def view(self, name: str, first_row: int = 0, rows: int | None = None) -> np.ndarray:
+        """The tensor (rows ``first_row : first_row + rows`` of axis 0) as a read-only array on the mapping."""
+        offset, nbytes, shape = self._range(name, first_row, rows)
+        dtype = self.tensors[name].dtype
+        return np.frombuffer(self._mapping(), dtype, nbytes // dtype.itemsize, offset).reshape(shape)
+
+    def _advise(self, advice, name: str, first_row: int, rows: int | None, *, inner: bool) -> None:
+        offset, nbytes, _ = self._range(name, first_row, rows)
+        page = mmap.PAGESIZE
+        lo = -(-offset // page) * page if inner else offset // page * page
+        hi = (offset + nbytes) // page * page if inner else -(-(offset + nbytes) // page) * page
+        hi = min(hi, len(self._mapping()))
+        if hi > lo:
+            with contextlib.suppress(AttributeError, OSError, ValueError):
+                self._mapping().madvise(advice, lo, hi - lo)
+
+    def prefetch(self, name: str, first_row: int = 0, rows: int | None = None) -> None:
+        """Start reading the range from disk in the background (``MADV_WILLNEED``)."""
+        self._advise(getattr(mmap, "MADV_WILLNEED", None), name, first_row, rows, inner=False)
+
+    def release(self, name: str, first_row: int = 0, rows: int | None = None) -> None:
+        """Drop the range's pages from this process (they stay cached); only whole pages inside the range, so a
+        neighbouring tensor still being read keeps its pages."""
+        self._advise(getattr(mmap, "MADV_DONTNEED", None), name, first_row, rows, inner=True)
+
     def read_into(self, name: str, out: np.ndarray, first_row: int = 0) -> None:
-        """Fill ``out`` (a byte buffer) with the tensor's bytes from row ``first_row`` of axis 0 on."""
+        """Fill ``out`` (a byte buffer) with the tensor's bytes from row ``first_row`` of axis 0 on (``pread``)."""
         info = self.tensors[name]
         row_bytes = info.nbytes // info.shape[0] if info.shape and info.shape[0] else info.nbytes
         offset, view, done = info.offset + first_row * row_bytes, memoryview(out).cast("B"), 0
@@ -462,6 +507,12 @@ class SafetensorsFile:
             done += got
 
     def close(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # an array still refers to the mapping: it goes when that array does
+                pass
+            self._map = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -473,14 +524,18 @@ class SafetensorsFile:
         self.close()
 
 
-def _host_buffer(nbytes: int) -> np.ndarray:
-    """An uninitialised byte buffer; page-aligned anonymous memory (huge pages requested) when large."""
-    if nbytes < _ALIGNED_MIN_BYTES:
-        return np.empty(nbytes, np.uint8)
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(AttributeError, OSError):
-        m.madvise(mmap.MADV_HUGEPAGE)
-    return np.frombuffer(m, np.uint8, nbytes)
+def _owned(view: np.ndarray) -> np.ndarray:
+    """What to hand XLA:CPU for an array on the mapped file so that the device array is a copy, made once.
+
+    XLA:CPU adopts a 64-byte aligned host array as is (``device_put``'s ``may_alias=False`` does not stop it) and
+    copies any other. An unaligned view is therefore passed as it is (XLA copies it); an aligned one is first copied
+    into page-aligned anonymous memory, which XLA then adopts. Either way: one copy, none of the file aliased."""
+    if view.ctypes.data % 64:
+        return view
+    m = mmap.mmap(-1, max(view.nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    out = np.frombuffer(m, view.dtype, view.size).reshape(view.shape)
+    np.copyto(out, view)
+    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -526,7 +581,7 @@ class _Job:
     info: TensorInfo
     parts: list  # the _Parts this tensor fills
     targets: list  # their storage dtypes
-    mode: str  # "whole" (used as stored: its own buffer) | "convert" | "chunk" | "expert" (staging buffer)
+    mode: str  # "whole" (used as stored: copied) | "convert" | "chunk" | "expert" (converted on the device)
     first_row: int = 0
     rows: int | None = None  # None: all of it
     last: bool = True  # the tensor's last chunk
@@ -539,58 +594,28 @@ class _Job:
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.info.dtype.itemsize
 
+    def view(self) -> np.ndarray:
+        return self.st.view(self.name, self.first_row, self.rows)
 
-class _Reader:
-    """Reads jobs' bytes in a background thread, ``ahead`` jobs in advance, so disk / page-cache reads overlap the
-    device conversions (``os.preadv`` and XLA both release the GIL). Staging reads rotate over ``ahead + 1``
-    reused buffers: a buffer is refilled only after the job that used it was consumed."""
+    def prefetch(self) -> None:
+        self.st.prefetch(self.name, self.first_row, self.rows)
 
-    def __init__(self, jobs: list[_Job], ahead: int = 2):
-        import concurrent.futures
-
-        self.jobs = jobs
-        self.ahead = ahead
-        self.ring: list[np.ndarray | None] = [None] * (ahead + 1)
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dllm-load")
-        self.futures = {}
-        self.next = 0
-
-    def _read(self, k: int) -> np.ndarray:
-        job = self.jobs[k]
-        if job.mode == "whole":
-            buf = _host_buffer(job.nbytes)
-        else:
-            slot = k % len(self.ring)
-            if self.ring[slot] is None or self.ring[slot].nbytes < job.nbytes:
-                self.ring[slot] = None
-                self.ring[slot] = _host_buffer(max(job.nbytes, 1))
-            buf = self.ring[slot][:job.nbytes]
-        job.st.read_into(job.name, buf, job.first_row)
-        return buf.view(job.info.dtype).reshape(job.shape)
-
-    def __iter__(self):
-        try:
-            for k in range(len(self.jobs)):
-                while self.next < len(self.jobs) and self.next <= k + self.ahead:
-                    self.futures[self.next] = self.pool.submit(self._read, self.next)
-                    self.next += 1
-                yield self.jobs[k], self.futures.pop(k).result()
-        finally:
-            for f in self.futures.values():
-                f.cancel()
-            self.pool.shutdown(wait=True)
+    def release(self) -> None:
+        self.st.release(self.name, self.first_row, self.rows)
 
 
 class _Placer:
-    """Turns jobs' host arrays into device arrays of the target dtype (and sharding).
+    """Turns jobs' mapped host arrays into device arrays of the target dtype (and sharding).
 
-    * A tensor stored as the model uses it (same layout and dtype) arrives in its own page-aligned buffer, which
-      XLA:CPU adopts without a copy (on GPU it is copied to the device), so the weights exist once.
+    * A tensor stored as the model uses it (same layout and dtype) is copied from the mapping into its device
+      buffer, never aliasing the file (XLA:CPU would adopt a 64-byte aligned mapping as is): a checkpoint rewritten
+      while the engine runs must not change or crash it.
     * A tensor that needs a conversion (transpose ``[out, in] -> [in, out]``, a split of a fused tensor, a dtype
-      cast) arrives in a reused staging buffer and is converted on the device by a jitted function; above
-      ``CHUNK_BYTES`` it comes in chunks of rows written into a donated output, so the extra memory is a chunk.
+      cast) is converted on the device by a jitted function reading the mapping; above ``CHUNK_BYTES`` it goes in
+      chunks of rows written into a donated output, so the extra memory is a chunk.
     * Expert matrices are written into their stacked ``[E, ...]`` leaf in place (donated updates).
-    Peak memory is therefore the model plus a few staging buffers.
+    Each job's mapped range is released from the process once its device work is done, so peak memory is the
+    model plus the few tensors in flight.
     """
 
     def __init__(self, cfg: ModelConfig, mesh=None):
@@ -599,6 +624,9 @@ class _Placer:
         self.pending: dict[tuple, Any] = {}  # (chunked tensor, leaf) -> its output being filled
         self.stacks: dict[tuple, Any] = {}  # stacked expert leaf path -> device array being filled
         self.filled: dict[tuple, set] = {}  # ... -> experts written so far
+        self.in_flight: list[tuple[_Job, list]] = []  # dispatched jobs and the device arrays to wait for
+        device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+        self.host_platform = device.platform == "cpu"  # device arrays live in host memory
 
     def sharding(self, path: tuple, shape: tuple):
         if self.mesh is None:
@@ -610,45 +638,70 @@ class _Placer:
         key = path[-1] if "moe" not in path else "moe." + path[-1]
         return NamedSharding(self.mesh, spec_for(PARAM_AXES[key], shape, self.cfg, self.mesh))
 
-    def place(self, job: _Job, host: np.ndarray, shapes: Params, params: Params) -> None:
+    def place(self, job: _Job, shapes: Params, params: Params) -> None:
+        host = job.view()
+        outputs = []
         if job.mode == "whole":
             part = job.parts[0]
             sharding = self.sharding(part.path, job.info.shape)
-            _set(params, part.path, jax.device_put(host, sharding) if sharding is not None else jax.device_put(host))
-            return
-        # Staged: the host buffer is reused after this call, so everything that reads it finishes here.
-        x = jax.device_put(host).block_until_ready()
-        for part, target in zip(job.parts, job.targets):
+            if self.host_platform:  # one copy out of the mapped file, never an alias of it
+                out = jax.device_put(_owned(host))
+                out = out if sharding is None else jax.device_put(out, sharding)
+            else:
+                out = jax.device_put(host, sharding)
+            _set(params, part.path, out)
+            outputs.append(out)
+        for part, target in zip(job.parts, job.targets) if job.mode != "whole" else ():
             leaf_shape = _get(shapes, part.path)
             if job.mode == "expert":
                 if part.path not in self.stacks:
                     self.stacks[part.path] = _zeros_fn(leaf_shape, target, self.sharding(part.path, leaf_shape))()
                     self.filled[part.path] = set()
-                self.stacks[part.path] = _set_expert_fn(part.convert)(self.stacks[part.path], x,
-                                                                      jnp.int32(part.expert)).block_until_ready()
+                out = _set_expert_fn(part.convert)(self.stacks[part.path], host, jnp.int32(part.expert))
+                self.stacks[part.path] = out
                 self.filled[part.path].add(part.expert)
             elif job.mode == "chunk":
                 out = self.pending.pop((job.name, part.path), None)
                 if out is None:
                     out = _zeros_fn(leaf_shape, target, self.sharding(part.path, leaf_shape))()
-                out = _update_fn(part.convert)(out, x, jnp.int32(job.first_row)).block_until_ready()
+                out = _update_fn(part.convert)(out, host, jnp.int32(job.first_row))
                 if job.last:
                     _set(params, part.path, out)
                 else:
                     self.pending[(job.name, part.path)] = out
             else:
-                out = _convert_fn(part.convert, target)(x).block_until_ready()
+                out = _convert_fn(part.convert, target)(host)
                 sharding = self.sharding(part.path, leaf_shape)
-                _set(params, part.path, out if sharding is None else jax.device_put(out, sharding))
-        del x
+                if sharding is not None:
+                    out = jax.device_put(out, sharding)
+                _set(params, part.path, out)
+            outputs.append(out)
+        del host
+        self.in_flight.append((job, outputs))
+        while len(self.in_flight) > MAX_IN_FLIGHT:
+            self.retire()
+
+    def retire(self) -> None:
+        """Wait for the oldest dispatched job, then drop its mapped pages from the process."""
+        job, outputs = self.in_flight.pop(0)
+        for out in outputs:
+            with contextlib.suppress(RuntimeError):  # donated away by a later update: that one is waited for
+                out.block_until_ready()
+        job.release()
+
+    def finish(self) -> None:
+        while self.in_flight:
+            self.retire()
 
 
 def load_safetensors_params(model_dir: str, cfg: ModelConfig, dtype, *, progress: bool = False,
-                            mesh=None) -> Params:
+                            mesh=None, ours: bool = False) -> Params:
     """Stream the checkpoint's tensors into device arrays of ``dtype`` (routing leaves: see ``leaf_dtype``).
 
-    One tensor at a time (see :class:`_Placer`): no float32 host copy, no second copy of the model. With
-    ``mesh`` each leaf is placed with its :mod:`dllm_jax.sharding` layout as it is loaded.
+    Shards are memory-mapped and read one tensor at a time (see :class:`_Placer`): no float32 host copy, no second
+    copy of the model; the process's peak memory is the model plus a few tensors. With ``mesh`` each leaf is
+    placed with its :mod:`dllm_jax.sharding` layout as it is loaded. ``progress`` shows a bar (bytes read).
+    ``ours``: the shards of a converted directory (:func:`convert_checkpoint`), named and laid out as our pytree.
     """
     from tqdm import tqdm
 
@@ -658,25 +711,29 @@ def load_safetensors_params(model_dir: str, cfg: ModelConfig, dtype, *, progress
     placer = _Placer(cfg, mesh)
     files = [SafetensorsFile(path) for path in _safetensor_files(model_dir)]  # every header first: fail early
     try:
+        plan = _plan_ours if ours else _plan
         jobs = [job for st in files for name, info in st.tensors.items()
-                for job in _plan(st, name, info, cfg, shapes, dtypes)]
+                for job in plan(st, name, info, cfg, shapes, dtypes)]
         total = sum(info.nbytes for st in files for info in st.tensors.values())
         with tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, disable=not progress,
                   leave=False) as bar:
-            for job, host in _Reader(jobs):
-                placer.place(job, host, shapes, params)
-                del host
+            for k, job in enumerate(jobs):
+                if k + 1 < len(jobs):
+                    jobs[k + 1].prefetch()
+                placer.place(job, shapes, params)
                 bar.update(job.nbytes)
+            placer.finish()
             bar.update(total - bar.n)  # tensors the model does not use (rotary buffers, a tied lm_head)
     finally:
+        placer.in_flight.clear()
         for st in files:
             st.close()
     for leaf_path, stack in placer.stacks.items():
         if len(placer.filled[leaf_path]) == _get(shapes, leaf_path)[0]:
             _set(params, leaf_path, stack)
-    if cfg.norm_head and "lm_head" in params:
+    if cfg.norm_head and "lm_head" in params and not ours:  # a converted head is stored normalised
         params["lm_head"] = _normalize_head_device(params["lm_head"], jnp.dtype(_get(dtypes, ("lm_head",))))
-    _check_complete(params, shapes, cfg, model_dir, placer.filled)
+    _check_complete(params, shapes, cfg, model_dir, placer.filled, ours=ours)
     return params
 
 
@@ -716,6 +773,29 @@ def _plan(st: SafetensorsFile, name: str, info: TensorInfo, cfg: ModelConfig, sh
             for r0 in range(0, rows, per_chunk)]
 
 
+def _plan_ours(st: SafetensorsFile, name: str, info: TensorInfo, cfg: ModelConfig, shapes: Params,
+               dtypes: Params) -> list[_Job]:
+    """Jobs for a tensor of a converted directory: named by its pytree path (``layers.3.moe.gate``), stored in our
+    layout, so it is used as stored (a dtype cast at most)."""
+    path = tuple(int(p) if p.isdigit() else p for p in name.split("."))
+    if not _has(shapes, path) or not isinstance(_get(shapes, path), tuple):
+        raise CheckpointError(f"{st.path}: tensor '{name}' is not a parameter of the model config.json describes")
+    expected = tuple(_get(shapes, path))
+    if info.shape != expected:
+        raise CheckpointError(f"{st.path}: tensor '{name}' has shape {info.shape}, expected {expected} from "
+                              f"config.json")
+    target = jnp.dtype(_get(dtypes, path))
+    parts = [_Part(path, None, _ID)]
+    if info.dtype == target:
+        return [_Job(st, name, info, parts, [target], "whole")]
+    rows = info.shape[0] if info.shape else 1
+    if info.nbytes <= CHUNK_BYTES or rows < 2:
+        return [_Job(st, name, info, parts, [target], "convert")]
+    per_chunk = max(1, CHUNK_BYTES // (info.nbytes // rows))
+    return [_Job(st, name, info, parts, [target], "chunk", r0, min(per_chunk, rows - r0), r0 + per_chunk >= rows)
+            for r0 in range(0, rows, per_chunk)]
+
+
 def _has(shapes, path) -> bool:
     try:
         _get(shapes, path)
@@ -725,14 +805,16 @@ def _has(shapes, path) -> bool:
 
 
 def _check_complete(params: Params, shapes: Params, cfg: ModelConfig, model_dir: str,
-                    expert_rows: dict | None = None) -> None:
+                    expert_rows: dict | None = None, ours: bool = False) -> None:
     flat, _ = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
     names: list[str] = []
     for key_path, shape in flat:
         path = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in key_path)
         if _has(params, path):
             continue
-        if path[-2:-1] == ("moe",) and path[-1] in ("gate", "up", "down"):
+        if ours:
+            names.append(".".join(str(p) for p in path))
+        elif path[-2:-1] == ("moe",) and path[-1] in ("gate", "up", "down"):
             seen = (expert_rows or {}).get(path, ())
             names += [hf_name_for(cfg, path, e) for e in range(shape[0]) if e not in seen]
         else:
@@ -744,11 +826,62 @@ def _check_complete(params: Params, shapes: Params, cfg: ModelConfig, model_dir:
 
 
 # ----------------------------------------------------------------------------------------------
-# Orbax layout
+# Converted directories (dllm-jax convert): our layout in safetensors; older ones in Orbax
 # ----------------------------------------------------------------------------------------------
 
+CONVERTED_FORMAT = "dllm-jax-safetensors"
+ORBAX_FORMAT = "orbax-standard"
+CONVERTED_SHARD_BYTES = 2 << 30
+
+
+def converted_format(model_dir: str) -> str | None:
+    """The format a ``dllm-jax convert`` output is in (``"dllm-jax-safetensors"``, ``"orbax-standard"``), or None
+    for any other directory."""
+    path = os.path.join(model_dir, ORBAX_MARKER)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f).get("format", ORBAX_FORMAT)
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+
+
 def is_orbax_dir(model_dir: str) -> bool:
-    return os.path.isfile(os.path.join(model_dir, ORBAX_MARKER))
+    return converted_format(model_dir) == ORBAX_FORMAT
+
+
+def save_converted(model_dir: str, params: Params, out_dir: str, *, max_shard_bytes: int = CONVERTED_SHARD_BYTES,
+                   progress: bool = False) -> None:
+    """Write ``out_dir``: config and tokenizer files (never the directory's ``.py`` files) plus ``params/``, our
+    pytree in sharded safetensors named by path (``layers.3.q``), in our layout (``[in, out]`` matrices, fused
+    tensors split, a ``norm_head`` head normalised) and dtype. Written one tensor at a time from the device arrays
+    (a host copy of one tensor at a time on an accelerator, none on CPU)."""
+    from tqdm import tqdm
+
+    from dllm_jax.model.layouts import write_sharded
+
+    out_dir = os.path.abspath(out_dir)
+    os.makedirs(os.path.join(out_dir, ORBAX_PARAMS_DIR), exist_ok=True)
+    for fn in ("config.json",) + TOKENIZER_FILES:
+        src = os.path.join(model_dir, fn)
+        if os.path.isfile(src):
+            shutil.copy(src, os.path.join(out_dir, fn))
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    leaves = {".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in key_path): leaf
+              for key_path, leaf in flat}
+    specs = [(name, tuple(leaf.shape), np.dtype(leaf.dtype)) for name, leaf in leaves.items()]
+    total = sum(leaf.nbytes for leaf in leaves.values())
+    with tqdm(total=total, desc="writing", unit="B", unit_scale=True, disable=not progress, leave=False) as bar:
+        def fill(name):
+            bar.update(leaves[name].nbytes)
+            return np.asarray(leaves[name])
+
+        write_sharded(os.path.join(out_dir, ORBAX_PARAMS_DIR), specs, fill, max_shard_bytes=max_shard_bytes)
+    dtypes = sorted({str(x.dtype) for x in leaves.values()})
+    with open(os.path.join(out_dir, ORBAX_MARKER), "w") as f:
+        json.dump({"format": CONVERTED_FORMAT, "version": 1, "dtypes": dtypes, "source": os.path.abspath(model_dir)},
+                  f)
 
 
 def save_orbax(model_dir: str, params: Params, out_dir: str) -> None:
@@ -761,10 +894,14 @@ def save_orbax(model_dir: str, params: Params, out_dir: str) -> None:
         src = os.path.join(model_dir, fn)
         if os.path.isfile(src):
             shutil.copy(src, os.path.join(out_dir, fn))
-    ckpt = ocp.StandardCheckpointer()
-    ckpt.save(os.path.join(out_dir, ORBAX_PARAMS_DIR), params, force=True)
-    ckpt.wait_until_finished()
-    ckpt.close()
+    # Uncompressed (bf16 / f32 weights hardly compress, and decompressing slows every load), and at most about
+    # 1 GB of host copies in flight, so the save adds a bounded amount to the converted model's memory.
+    ckpt = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(save_concurrent_gb=1, restore_concurrent_gb=1,
+                                                        use_compression=False))
+    try:
+        ckpt.save(os.path.join(out_dir, ORBAX_PARAMS_DIR), args=ocp.args.PyTreeSave(params), force=True)
+    finally:
+        ckpt.close()
     dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(params)})
     with open(os.path.join(out_dir, ORBAX_MARKER), "w") as f:
         json.dump({"format": "orbax-standard", "dtypes": dtypes, "source": os.path.abspath(model_dir)}, f)
@@ -781,7 +918,7 @@ def load_orbax_params(model_dir: str, cfg: ModelConfig, dtype) -> Params:
     shapes = param_shapes(cfg)
     abstract = jax.tree.map(lambda s, d: jax.ShapeDtypeStruct(s, d), shapes, param_dtypes(cfg, stored_dtype),
                             is_leaf=lambda x: isinstance(x, tuple))
-    ckpt = ocp.StandardCheckpointer()
+    ckpt = ocp.StandardCheckpointer(restore_concurrent_gb=1)  # host copies in flight: ~1 GB, not the model
     try:
         params = ckpt.restore(path, abstract)
     except Exception as e:
@@ -795,18 +932,63 @@ def load_orbax_params(model_dir: str, cfg: ModelConfig, dtype) -> Params:
 # Tokenizer, mask id, block size
 # ----------------------------------------------------------------------------------------------
 
+def tokenizer_class(model_dir: str):
+    """The transformers class that reads this directory's tokenizer, chosen WITHOUT ``AutoTokenizer``.
+
+    ``AutoTokenizer`` follows a ``tokenizer_config.json`` / ``config.json`` ``auto_map`` into the directory's own
+    Python files (and asks "Do you wish to run the custom code?" when ``trust_remote_code`` is unset). We never run
+    a checkpoint's code, so the class is picked here: ``tokenizer_class`` from ``tokenizer_config.json`` when it
+    names a tokenizer class that transformers itself ships (``Qwen2Tokenizer``, ``Qwen2TokenizerFast``, ...; a
+    ``...Fast`` name that transformers no longer has is tried without the suffix); otherwise the generic
+    ``tokenizer.json`` reader (``PreTrainedTokenizerFast``) when the directory has a ``tokenizer.json``, and
+    ``Qwen2Tokenizer`` for a Qwen-family directory given as ``vocab.json`` + ``merges.txt``.
+    Returns ``(class, reason)``; raises :class:`CheckpointError` when nothing fits.
+    """
+    if "transformers" not in sys.modules:  # its "PyTorch was not found" banner means nothing to a JAX engine
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    import transformers
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    name = None
+    path = os.path.join(model_dir, "tokenizer_config.json")
+    if os.path.isfile(path):
+        try:
+            with open(path) as f:
+                name = json.load(f).get("tokenizer_class")
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise CheckpointError(f"{path}: not a valid tokenizer config ({e})") from e
+    if isinstance(name, str) and name.isidentifier():
+        for candidate in (name, name[:-len("Fast")] if name.endswith("Fast") else None):
+            if not candidate:
+                continue
+            try:
+                cls = getattr(transformers, candidate)  # transformers' own modules only, never the directory's
+            except (AttributeError, ImportError):
+                continue
+            if isinstance(cls, type) and issubclass(cls, PreTrainedTokenizerBase):
+                return cls
+    if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+        return transformers.PreTrainedTokenizerFast
+    if all(os.path.isfile(os.path.join(model_dir, f)) for f in ("vocab.json", "merges.txt")):
+        return transformers.Qwen2Tokenizer
+    raise CheckpointError(f"{model_dir}: cannot load tokenizer: tokenizer_config.json names "
+                          f"{name!r}, which is not a tokenizer class of transformers, and there is no tokenizer.json "
+                          f"(nor vocab.json + merges.txt) to read instead")
+
+
 def load_tokenizer(model_dir: str):
+    """The directory's tokenizer (None if it has none), loaded with :func:`tokenizer_class`: never through
+    ``AutoTokenizer`` and never from the directory's Python files, so loading asks nothing and runs no remote code.
+    A ``chat_template.jinja`` beside it is the chat template (transformers reads it)."""
     if not (os.path.isfile(os.path.join(model_dir, "tokenizer.json"))
             or os.path.isfile(os.path.join(model_dir, "tokenizer_config.json"))):
         return None
-    if "transformers" not in sys.modules:  # its "PyTorch was not found" banner means nothing to a JAX engine
-        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    from transformers import AutoTokenizer
-
+    cls = tokenizer_class(model_dir)
     try:
-        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        return cls.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
     except Exception as e:
-        raise CheckpointError(f"{model_dir}: cannot load tokenizer (tokenizer.json / tokenizer_config.json): {e}") from e
+        raise CheckpointError(f"{model_dir}: cannot load tokenizer ({cls.__name__}; tokenizer.json / "
+                              f"tokenizer_config.json / vocab.json + merges.txt): {e}") from e
 
 
 def _tokenizer_mask_id(tokenizer) -> int | None:
@@ -833,6 +1015,33 @@ def _generation_eos(model_dir: str) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+
+
+# generation_config.json keys that become a request's defaults (SGLang's ``--sampling-defaults model`` set).
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                           "frequency_penalty")
+
+
+def generation_defaults(model_dir: str) -> dict:
+    """The sampling defaults ``generation_config.json`` gives (``{}`` without one).
+
+    ``temperature``, ``top_p``, ``top_k`` (and ``min_p`` / the penalties, for an engine whose requests take them)
+    as written; ``do_sample: false`` means greedy (temperature 0), as in transformers. ``max_new_tokens`` and
+    ``max_length`` are not taken: a request's length is the caller's choice. The EOS list is read separately
+    (:func:`resolve_config`)."""
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            gen = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(gen, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    if gen.get("do_sample") is False:
+        return {"temperature": 0.0}
+    return {k: gen[k] for k in GENERATION_DEFAULT_KEYS if gen.get(k) is not None}
 
 
 def resolve_config(model_dir: str, tokenizer, *, block_size=None, mask_token_id=None) -> ModelConfig:
@@ -867,18 +1076,28 @@ def load_model(model_dir: str, *, dtype="float32", block_size=None, mask_token_i
     jdtype = jnp.dtype(dtype)
     if jdtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
-    if is_orbax_dir(model_dir):
+    fmt = converted_format(model_dir)
+    if fmt == CONVERTED_FORMAT:
+        params = load_safetensors_params(os.path.join(model_dir, ORBAX_PARAMS_DIR), cfg, jdtype, progress=progress,
+                                         ours=True)
+    elif fmt is not None:
         params = load_orbax_params(model_dir, cfg, jdtype)
     else:
         params = load_safetensors_params(model_dir, cfg, jdtype, progress=progress)
     return LoadedModel(config=cfg, params=params, tokenizer=tokenizer, model_path=os.path.abspath(model_dir))
 
 
-def convert_to_orbax(hf_dir: str, out_dir: str, *, dtype="float32") -> None:
-    """``dllm-jax convert``: HF safetensors directory -> Orbax directory that loads faster."""
+def convert_checkpoint(hf_dir: str, out_dir: str, *, dtype="float32", progress: bool = False) -> None:
+    """``dllm-jax convert``: HF safetensors directory -> a directory in our layout (matrices already ``[in, out]``,
+    fused tensors split, in ``dtype``; see :func:`save_converted`), which loads with no conversion at all: every
+    tensor is copied as stored, so a load costs about a read of its bytes. Both halves stream one tensor at a time
+    (memory-mapped in, written out), so peak memory is about the model's size in ``dtype``."""
     cfg = ModelConfig.from_model_dir(hf_dir)
-    params = load_safetensors_params(hf_dir, cfg, jnp.dtype(dtype))
-    save_orbax(hf_dir, params, out_dir)
+    params = load_safetensors_params(hf_dir, cfg, jnp.dtype(dtype), progress=progress)
+    save_converted(hf_dir, params, out_dir, progress=progress)
+
+
+convert_to_orbax = convert_checkpoint  # the former name (converted directories were Orbax; they still load)
 
 
 def save_hf(params: Params, cfg: ModelConfig, out_dir: str) -> None:

@@ -28,9 +28,14 @@ import jax.numpy as jnp
 from dllm_jax.config import ModelConfig
 
 
+def _linear(x, w):
+    """``x @ w`` accumulated in float32, in ``x``'s dtype (see :func:`dllm_jax.model.qwen3.linear`)."""
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
 def swiglu(x, gate, up, down):
-    """Dense SwiGLU MLP ``down(silu(x @ gate) * (x @ up))``."""
-    return (jax.nn.silu(x @ gate) * (x @ up)) @ down
+    """Dense SwiGLU MLP ``down(silu(x @ gate) * (x @ up))`` (products accumulated in float32)."""
+    return _linear(jax.nn.silu(_linear(x, gate)) * _linear(x, up), down)
 
 
 def router_logits(moe, x, cfg: ModelConfig):
@@ -82,9 +87,13 @@ def grouped_experts(moe, x, expert_ids):
     order = jnp.argsort(flat_ids, stable=True)
     group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat_ids].add(1)
     rows = x[order // k]  # [N*k, H], grouped by expert
-    gate = jax.lax.ragged_dot(rows, moe["gate"].astype(x.dtype), group_sizes)
-    up = jax.lax.ragged_dot(rows, moe["up"].astype(x.dtype), group_sizes)
-    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, moe["down"].astype(x.dtype), group_sizes)
+    def rdot(a, w):  # accumulated in float32, in x's dtype (as the dense products)
+        return jax.lax.ragged_dot(a, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32
+                                  ).astype(x.dtype)
+
+    gate = rdot(rows, moe["gate"])
+    up = rdot(rows, moe["up"])
+    out = rdot(jax.nn.silu(gate) * up, moe["down"])
     inverse = jnp.argsort(order)  # a gather back to (token, slot) order: no scatter-add, fixed summation order
     return out[inverse].reshape(num_tokens, k, -1)
 

@@ -1,0 +1,379 @@
+"""``load`` and ``bf16`` scenarios (issue 17): a checkpoint in the published SDAR layout at the SDAR-1.7B shape.
+
+``load``: a random checkpoint with the SDAR-1.7B shape (Qwen3-1.7B: 28 layers, hidden 2048, 16 q / 8 KV heads,
+head dim 128, MLP 6144, vocab 151,936, tied; 3.2 GiB of bf16 in sharded safetensors, written by
+:func:`dllm_jax.model.layouts.write_published`), loaded in fresh processes, alternating, ``--load-repeats`` times:
+
+* ``engine``: ``Engine(path, dtype="bfloat16", max_running_requests=1, num_kv_pages=64, context_length=256)``
+  (tokenizer, config, weights, KV pool; no compile), with the weight load (``load_model``) timed inside it, and
+  the process's peak RSS (``VmHWM``) against the checkpoint's bytes;
+* ``transformers``: ``Qwen3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16)``, then one forward of a
+  block (transformers maps the safetensors and reads the weights lazily, at the first forward: both times are
+  given);
+* ``floor``: the bare read of every byte into fresh memory (what any loader that materialises the weights pays),
+  and the read into one reused buffer (the page cache's copy speed);
+* ``convert``: ``dllm-jax convert --dtype bfloat16`` (time, peak RSS) and loading the converted directory.
+
+The page cache is warmed first (every contender reads cached files). Targets: engine peak RSS <= 1.3x the
+checkpoint's bytes; engine load time <= transformers ``from_pretrained``.
+
+``bf16``: the same shape (``--bf16-layers``, default 28; a random checkpoint of its own with larger init scales,
+so predictions are peaked enough for agreement to mean something) decoded in float32 and in bfloat16: token
+agreement over ``--bf16-prompts`` chat prompts (one greedy LowConfidence answer of ``--bf16-tokens`` tokens each),
+and the engine's denoise step time at 1 and 8 rows against transformers' block-diffusion loop
+(:mod:`bench.hf_baseline`, batch 1) on the same weights in the same dtype.
+
+Checkpoints go to ``--load-dir`` (kept) or a temporary directory (deleted at the end).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from bench.common import Ctx, chat_prompts, fmt, run_requests, table
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GIB = float(1 << 30)
+SHARD_BYTES = 1 << 30  # 4 shards at the 1.7B shape, as the published SDAR-1.7B-Chat
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints
+# ----------------------------------------------------------------------------------------------
+
+def checkpoint(ctx: Ctx, name: str, layers: int, *, std: float = 0.02, embed_std: float = 0.02) -> tuple[str, bool]:
+    """A published-layout SDAR checkpoint at the 1.7B shape with ``layers`` layers; (path, created here)."""
+    from dllm_jax.model import layouts
+
+    root = ctx.overrides.get("load_dir")
+    owned = root is None
+    if owned:
+        root = ctx._memo.setdefault("load_tmp", tempfile.mkdtemp(prefix="dllm-jax-bench-load-"))
+    path = os.path.join(root, f"{name}-L{layers}-std{std:g}-{embed_std:g}")
+    marker = os.path.join(path, "BENCH_COMPLETE")
+    if not os.path.isfile(marker):
+        shutil.rmtree(path, ignore_errors=True)
+        ctx.log(f"writing a {layers}-layer SDAR-1.7B-shaped checkpoint to {path}")
+        t0 = time.perf_counter()
+        layouts.write_published(path, "sdar", dims=dict(layouts.SDAR_1P7B_SHAPE, num_hidden_layers=layers),
+                                std=std, embed_std=embed_std, max_shard_bytes=SHARD_BYTES)
+        open(marker, "w").close()
+        ctx.log(f"wrote {layouts.checkpoint_bytes(path) / GIB:.2f} GiB in {time.perf_counter() - t0:.0f} s")
+    return path, owned
+
+
+def cleanup(ctx: Ctx) -> None:
+    tmp = ctx._memo.pop("load_tmp", None)
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def warm_page_cache(path: str) -> float:
+    t0 = time.perf_counter()
+    buf = bytearray(64 << 20)
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            with open(os.path.join(path, f), "rb", buffering=0) as fh:
+                while fh.readinto(buf):
+                    pass
+    return time.perf_counter() - t0
+
+
+# ----------------------------------------------------------------------------------------------
+# Probes: each runs in a fresh process and prints one JSON line
+# ----------------------------------------------------------------------------------------------
+
+def _status() -> dict:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                out[line.split(":")[0]] = int(line.split()[1]) * 1024
+    return out
+
+
+def _probe_engine(path: str) -> dict:
+    import jax
+
+    jax.devices()
+    from dllm_jax.model import loader
+
+    base = _status()["VmRSS"]
+    timings = {}
+    original = loader.load_model
+
+    def timed_load(*args, **kwargs):
+        t = time.perf_counter()
+        out = original(*args, **kwargs)
+        jax.block_until_ready(out.params)
+        timings["load_model_s"] = time.perf_counter() - t
+        return out
+
+    loader.load_model = timed_load
+    from dllm_jax import Engine
+
+    t0 = time.perf_counter()
+    engine = Engine(path, dtype="bfloat16", max_running_requests=1, num_kv_pages=64, context_length=256,
+                    compilation_cache="off")
+    jax.block_until_ready(engine.runner.params)
+    total = time.perf_counter() - t0
+    st = _status()
+    return dict(timings, engine_init_s=total, base_rss=base, peak_rss=st["VmHWM"], rss=st["VmRSS"])
+
+
+def _probe_transformers(path: str) -> dict:
+    import torch
+    import transformers
+
+    base = _status()["VmRSS"]
+    t0 = time.perf_counter()
+    model = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    t1 = time.perf_counter()
+    rss_after_load = _status()["VmRSS"]
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([[1, 2, 3, 4]]), use_cache=False)
+        t2 = time.perf_counter()
+        model(input_ids=torch.tensor([[1, 2, 3, 4]]), use_cache=False)
+        t3 = time.perf_counter()
+    st = _status()
+    return dict(from_pretrained_s=t1 - t0, first_forward_s=t2 - t1, second_forward_s=t3 - t2, base_rss=base,
+                rss_after_load=rss_after_load, peak_rss=st["VmHWM"])
+
+
+def _probe_floor(path: str) -> dict:
+    from dllm_jax.model.loader import SafetensorsFile, _safetensor_files
+
+    files = [SafetensorsFile(p) for p in _safetensor_files(path)]
+    infos = [(st, name, info) for st in files for name, info in st.tensors.items()]
+    t0 = time.perf_counter()
+    buf = np.empty(max(i.nbytes for _, _, i in infos), np.uint8)
+    for st, name, info in infos:
+        st.read_into(name, buf[:info.nbytes])
+    reused = time.perf_counter() - t0
+    del buf
+    t0 = time.perf_counter()
+    keep = []
+    for st, name, info in infos:
+        b = np.empty(info.nbytes, np.uint8)
+        st.read_into(name, b)
+        keep.append(b)
+    fresh = time.perf_counter() - t0
+    return dict(read_reused_s=reused, read_fresh_s=fresh, peak_rss=_status()["VmHWM"])
+
+
+def _probe_convert(path: str, out: str) -> dict:
+    import jax
+
+    jax.devices()
+    from dllm_jax.model.loader import convert_checkpoint
+
+    base = _status()["VmRSS"]
+    t0 = time.perf_counter()
+    convert_checkpoint(path, out, dtype="bfloat16")
+    return dict(convert_s=time.perf_counter() - t0, base_rss=base, peak_rss=_status()["VmHWM"])
+
+
+def _probe_load_converted(path: str) -> dict:
+    import jax
+
+    jax.devices()
+    from dllm_jax.model.loader import load_model
+
+    base = _status()["VmRSS"]
+    t0 = time.perf_counter()
+    m = load_model(path, dtype="bfloat16")
+    jax.block_until_ready(m.params)
+    return dict(load_s=time.perf_counter() - t0, base_rss=base, peak_rss=_status()["VmHWM"])
+
+
+PROBES = {"engine": _probe_engine, "transformers": _probe_transformers, "floor": _probe_floor,
+          "convert": _probe_convert, "load_converted": _probe_load_converted}
+
+
+def probe(kind: str, *args: str) -> dict:
+    """Run probe ``kind`` in a fresh Python process; its JSON result."""
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
+    proc = subprocess.run([sys.executable, "-m", "bench.load", kind, *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=3600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"probe {kind} failed (rc {proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+# ----------------------------------------------------------------------------------------------
+# Scenarios
+# ----------------------------------------------------------------------------------------------
+
+def _median(runs: list[dict], key: str) -> float:
+    return float(np.median([r[key] for r in runs]))
+
+
+def load(ctx: Ctx) -> dict:
+    from bench.scenarios import finish
+    from dllm_jax.model.layouts import checkpoint_bytes
+
+    layers = ctx.size("load_layers", 28, 4)
+    repeats = ctx.size("load_repeats", 3, 1)
+    path, _ = checkpoint(ctx, "sdar-1.7b", layers)
+    ckpt = checkpoint_bytes(path)
+    try:
+        warm = warm_page_cache(path)
+        ctx.log(f"load: page cache warmed ({warm:.1f} s); {repeats} rounds of engine / transformers / floor")
+        runs: dict[str, list] = {"engine": [], "transformers": [], "floor": []}
+        for r in range(repeats):
+            for kind in runs:
+                runs[kind].append(probe(kind, path))
+                ctx.log(f"load round {r + 1}: {kind} {runs[kind][-1]}")
+        conv = {}
+        if ctx.overrides.get("load_convert", not ctx.quick):
+            out = path + "-converted"
+            shutil.rmtree(out, ignore_errors=True)
+            try:
+                conv["convert"] = probe("convert", path, out)
+                conv["load_converted"] = probe("load_converted", out)
+            finally:
+                shutil.rmtree(out, ignore_errors=True)
+    finally:
+        if not ctx.overrides.get("load_keep"):
+            cleanup(ctx)
+    eng, hf, floor = runs["engine"], runs["transformers"], runs["floor"]
+    result = {
+        "layers": layers, "checkpoint_bytes": ckpt, "page_cache_warm_s": warm, "runs": runs, "convert": conv,
+        "engine_load_model_s": _median(eng, "load_model_s"), "engine_init_s": _median(eng, "engine_init_s"),
+        "engine_peak_rss": _median(eng, "peak_rss"), "engine_base_rss": _median(eng, "base_rss"),
+        "hf_from_pretrained_s": _median(hf, "from_pretrained_s"),
+        "hf_first_forward_s": _median(hf, "first_forward_s"), "hf_peak_rss": _median(hf, "peak_rss"),
+        "hf_rss_after_load": _median(hf, "rss_after_load"),
+        "floor_read_fresh_s": _median(floor, "read_fresh_s"), "floor_read_reused_s": _median(floor, "read_reused_s"),
+    }
+    result["engine_peak_rss_over_checkpoint"] = result["engine_peak_rss"] / ckpt
+    result["engine_load_over_hf"] = result["engine_load_model_s"] / result["hf_from_pretrained_s"]
+    rows = [
+        ["engine: Engine(...) (tokenizer, config, weights, KV pool)", result["engine_init_s"],
+         result["engine_peak_rss"] / GIB, result["engine_peak_rss"] / ckpt],
+        ["engine: of which load_model (weights on the device)", result["engine_load_model_s"], "", ""],
+        ["transformers: from_pretrained (weights mapped, not read)", result["hf_from_pretrained_s"],
+         result["hf_rss_after_load"] / GIB, result["hf_rss_after_load"] / ckpt],
+        ["transformers: + first forward (weights read)", result["hf_from_pretrained_s"] + result["hf_first_forward_s"],
+         result["hf_peak_rss"] / GIB, result["hf_peak_rss"] / ckpt],
+        ["floor: read every byte into fresh memory", result["floor_read_fresh_s"], "", ""],
+        ["floor: read every byte into one reused buffer", result["floor_read_reused_s"], "", ""],
+    ]
+    if conv:
+        rows.append(["dllm-jax convert --dtype bfloat16", conv["convert"]["convert_s"],
+                     conv["convert"]["peak_rss"] / GIB, conv["convert"]["peak_rss"] / ckpt])
+        rows.append(["load_model of the converted directory (no conversions)", conv["load_converted"]["load_s"],
+                     conv["load_converted"]["peak_rss"] / GIB, conv["load_converted"]["peak_rss"] / ckpt])
+    text = table(f"load: {layers}-layer SDAR-1.7B-shaped checkpoint, {ckpt / GIB:.2f} GiB bf16 in sharded "
+                 f"safetensors (median of {repeats} fresh processes, page cache warm)",
+                 ["what", "seconds", "peak RSS GiB", "RSS / checkpoint"], rows)
+    command = "python -m bench load" + (" --quick" if ctx.quick else "")
+    ctx.target("load: engine peak RSS / checkpoint bytes", result["engine_peak_rss_over_checkpoint"], 1.3,
+               higher_is_better=False, command=command,
+               note=f"{layers} layers; includes the process's {result['engine_base_rss'] / GIB:.2f} GiB before loading")
+    ctx.target("load: engine load_model time / transformers from_pretrained", result["engine_load_over_hf"], 1.0,
+               higher_is_better=False, command=command,
+               note=f"from_pretrained maps the files and reads nothing ({result['hf_rss_after_load'] / GIB:.2f} GiB "
+                    f"RSS after it); floor (read into fresh memory) {fmt(result['floor_read_fresh_s'])} s")
+    return finish(ctx, "load", result, text)
+
+
+def _engine_run(path: str, dtype: str, prompts, max_new: int, block: int) -> dict:
+    from dllm_jax import Engine
+
+    context = int(np.ceil((max(len(p) for p in prompts) + max_new + 2 * block) / block) * block)
+    pages = int(np.ceil(context / block))
+    engine = Engine(path, dtype=dtype, max_running_requests=8, context_length=context, num_kv_pages=8 * pages + 1,
+                    enable_prefix_cache=False, shape_buckets=dict(rows=(2, 16), pages=(pages,), prefill_rows=(1,),
+                                                                  prefill_blocks=(pages,)))
+    params = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
+    try:
+        run_requests(engine, prompts[:1], params, 1)  # compile
+        run_requests(engine, prompts[:8], params, 8)
+        batched = run_requests(engine, prompts, params, 8)
+        single = run_requests(engine, prompts[:2], params, 1)
+        eight = run_requests(engine, prompts[:8], params, 8)
+    finally:
+        engine.shutdown()
+    return {"outputs": batched["outputs"], "step_ms_1": single["device_ms_mean"], "step_ms_8": eight["device_ms_mean"],
+            "steps_1": single["steps"], "steps_8": eight["steps"], "recompiles": eight["recompiles"]}
+
+
+def _hf_run(path: str, dtype: str, prompts, max_new: int) -> dict:
+    from bench.hf_baseline import HFBlockDiffusion
+
+    hf = HFBlockDiffusion(path, dtype=dtype, threshold=0.95)
+    hf.generate(prompts[0], max_new, ignore_eos=True)  # warm-up
+    times, forwards, outs = 0.0, 0, []
+    for p in prompts[:2]:
+        r = hf.generate(p, max_new, ignore_eos=True)
+        times += r["latency"]
+        forwards += r["forward_passes"]
+        outs.append(r["output_ids"])
+    del hf
+    gc.collect()
+    return {"forward_ms": 1e3 * times / max(forwards, 1), "outputs": outs}
+
+
+def bf16(ctx: Ctx) -> dict:
+    from bench.common import identical_fraction
+    from bench.scenarios import finish
+    from dllm_jax.model.loader import load_tokenizer
+
+    layers = ctx.size("bf16_layers", 28, 4)
+    n_prompts = ctx.size("bf16_prompts", 20, 8)
+    max_new = ctx.size("bf16_tokens", 8, 4)
+    # Larger init scales than a trained model's 0.02: the logits of a random 2048-wide model are otherwise nearly
+    # uniform, and agreement between dtypes would measure ties, not precision.
+    path, _ = checkpoint(ctx, "sdar-1.7b-peaked", layers, std=0.04, embed_std=1.0)
+    try:
+        tok = load_tokenizer(path)
+        prompts = chat_prompts(tok, n_prompts)
+        res = {}
+        for dtype in ("float32", "bfloat16"):
+            ctx.log(f"bf16: engine {dtype}")
+            res[dtype] = _engine_run(path, dtype, prompts, max_new, 4)
+            gc.collect()
+        hf = {}
+        for dtype in ("float32", "bfloat16"):
+            ctx.log(f"bf16: transformers loop {dtype}")
+            hf[dtype] = _hf_run(path, dtype, prompts, max_new)
+    finally:
+        if not ctx.overrides.get("load_keep"):
+            cleanup(ctx)
+    same, agree = identical_fraction(res["float32"]["outputs"], res["bfloat16"]["outputs"])
+    result = {"layers": layers, "prompts": n_prompts, "max_new_tokens": max_new, "identical_outputs": same,
+              "token_agreement": agree, "engine": {d: {k: v for k, v in r.items() if k != "outputs"}
+                                                   for d, r in res.items()},
+              "transformers": {d: {"forward_ms": r["forward_ms"]} for d, r in hf.items()},
+              "outputs": {d: r["outputs"] for d, r in res.items()}}
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        e, h = res[dtype], hf[dtype]
+        rows.append([dtype, e["step_ms_1"], e["step_ms_8"], e["step_ms_8"] / 8, h["forward_ms"],
+                     h["forward_ms"] / e["step_ms_1"], 8 * h["forward_ms"] / e["step_ms_8"]])
+    text = table(f"bf16: {layers}-layer SDAR-1.7B-shaped random model, B = 4; {n_prompts} prompts x {max_new} "
+                 f"greedy tokens: bf16 = f32 on {same:.0%} of the answers, {agree:.1%} of the tokens",
+                 ["dtype", "engine step ms (1 row)", "engine step ms (8 rows)", "ms per row (8)",
+                  "transformers forward ms (1 row)", "speedup 1 row", "speedup 8 rows (vs 8 forwards)"], rows)
+    command = "python -m bench bf16" + (" --quick" if ctx.quick else "")
+    ctx.target("bf16: engine step (1 row) vs transformers bf16 forward", hf["bfloat16"]["forward_ms"] /
+               res["bfloat16"]["step_ms_1"], 1.0, command=command, note="speedup, >1 = engine faster")
+    return finish(ctx, "bf16", result, text)
+
+
+if __name__ == "__main__":
+    kind, *rest = sys.argv[1:]
+    print(json.dumps(PROBES[kind](*rest)), flush=True)
