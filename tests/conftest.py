@@ -17,6 +17,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")  # also in the subprocesses: same programs, cache hits
+# torch (the transformers references) on one thread: its tiny float64 forwards are call-bound, and two intra-op
+# threads on a 2-core machine that another test worker keeps busy made each 25x slower (measured 28 ms vs 1.1 ms)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 if "DLLM_JAX_COMPILATION_CACHE" not in os.environ:
     _cache_dir = tempfile.mkdtemp(prefix="dllm-test-xla-")
