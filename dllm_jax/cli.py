@@ -56,6 +56,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="padded shapes of the device calls, a JSON object with any of rows, pages, prefill_rows, "
                         "prefill_blocks (lists of sizes), e.g. '{\"rows\": [8], \"pages\": [16]}' (default: powers of "
                         "two up to what the limits need)")
+    g.add_argument("--fold-commit-forward", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the forward that writes a resolved block's exact KV inside the next block's first step "
+                        "(default: on a GPU, where the extra row is nearly free; off on CPU, where it is not)")
+    g.add_argument("--max-steps-per-call", type=int, default=None, metavar="N",
+                   help="FDFO: the most denoise steps one device call runs while its batch stays the same "
+                        "(default: until its first row is done; 1: one step per round)")
     g.add_argument("--compilation-cache", default=None, metavar="DIR",
                    help="persistent compilation cache directory, or 'off' (default: $DLLM_JAX_COMPILATION_CACHE "
                         "or ~/.cache/dllm-jax/xla)")
@@ -115,7 +121,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         if not isinstance(buckets, dict):
             raise ValueError("--shape-buckets: must be a JSON object, e.g. '{\"rows\": [8]}'")
         kwargs["shape_buckets"] = buckets
-    for name in ("max_running_requests", "num_kv_pages", "mem_fraction", "context_length", "max_prefill_tokens"):
+    for name in ("max_running_requests", "num_kv_pages", "mem_fraction", "context_length", "max_prefill_tokens",
+                 "fold_commit_forward", "max_steps_per_call"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name, None)
     return kwargs

@@ -59,12 +59,12 @@ def test_batch_decides_as_the_float64_reference(tiny_model, make_engine, tiny_or
 
 @pytest.mark.parametrize("kwargs", [
     dict(ENGINE_KW, enable_prefix_cache=False, max_running_requests=1),
-    dict(ENGINE_KW, fold_commit_forward=False),  # SGLang's forward count
+    dict(ENGINE_KW, fold_commit_forward=True),  # the default on an accelerator (on CPU: SGLang's forward count)
     dict(ENGINE_KW, schedule="sync", max_prefill_tokens=4,  # one block per prefill forward
          shape_buckets=dict(ENGINE_KW["shape_buckets"], prefill_blocks=(1,))),
     dict(RETRACT_KW),  # forces retraction
     dict(RETRACT_KW, schedule="sync"),
-], ids=["no-cache-1-row", "no-fold", "sync-1-block-prefill", "fdfo-retract", "sync-retract"])
+], ids=["no-cache-1-row", "fold", "sync-1-block-prefill", "fdfo-retract", "sync-retract"])
 def test_every_configuration_decides_as_the_reference(tiny_model, make_engine, tiny_oracle, kwargs):
     engine = make_engine(tiny_model, **kwargs)
     first = _outs(engine)
@@ -92,7 +92,7 @@ def test_batch_shapes_differ_only_at_near_ties(tiny_model, make_engine, tiny_ora
 
 @pytest.mark.parametrize("schedule", ["fdfo", "sync"])
 def test_folding_the_commit_forward_saves_a_forward_per_block(tiny_model, make_engine, tiny_oracle, schedule):
-    folded = make_engine(tiny_model, schedule=schedule, **ENGINE_KW)
+    folded = make_engine(tiny_model, schedule=schedule, fold_commit_forward=True, **ENGINE_KW)
     plain = make_engine(tiny_model, schedule=schedule, fold_commit_forward=False, **ENGINE_KW)
     prompt = PROMPTS[4]  # 28 tokens: 7 prompt blocks, then 4 blocks of output
     a = folded.generate(input_ids=prompt, sampling_params=GREEDY)
@@ -103,6 +103,25 @@ def test_folding_the_commit_forward_saves_a_forward_per_block(tiny_model, make_e
     # The folded blocks are cached after their refresh: a second run hits all complete blocks but the last.
     again = folded.generate(input_ids=prompt + a["output_ids"][:12], sampling_params=GREEDY)
     assert again["meta_info"]["cached_tokens"] == 40
+
+
+def test_fdfo_call_runs_steps_until_its_first_row_is_done(tiny_model, make_engine, tiny_oracle):
+    """FDFO loops on the device until the first row with something to decode is done: one request takes one
+    denoise call per block; a batch takes fewer calls than steps; the decisions are the reference's either way
+    and the forwards the same as one step per call (``max_steps_per_call=1``)."""
+    looped = make_engine(tiny_model, **ENGINE_KW)
+    stepped = make_engine(tiny_model, max_steps_per_call=1, **ENGINE_KW)
+    prompt = PROMPTS[0]  # 6 tokens: the prompt's tail block, then whole blocks
+    a = looped.generate(input_ids=prompt, sampling_params=GREEDY)
+    b = stepped.generate(input_ids=prompt, sampling_params=GREEDY)
+    _verified(tiny_oracle, [a["output_ids"], b["output_ids"]], [prompt, prompt])
+    assert a["meta_info"]["forward_passes"] == b["meta_info"]["forward_passes"]
+    blocks = -(-(len(prompt) + 14) // 4) - len(prompt) // 4
+    assert looped.scheduler.stats["denoise_calls"] == blocks
+    assert stepped.scheduler.stats["denoise_calls"] == stepped.scheduler.stats["denoise_forwards"] > blocks
+    calls = looped.scheduler.stats["denoise_calls"]
+    _verified(tiny_oracle, _outs(looped))
+    assert looped.scheduler.stats["denoise_calls"] - calls < looped.scheduler.stats["denoise_forwards"] - blocks
 
 
 def test_cached_tokens_first_match_and_never_negative(tiny_model, make_engine):
@@ -206,7 +225,8 @@ def test_streaming_chunks_are_committed_blocks(tiny_model, make_engine):
 
 def test_provisional_stream_shows_the_block_and_adds_nothing(tiny_model, make_engine):
     """stream_provisional: after each step that leaves the block unfinished, a frame with the block's state
-    (masks still in place where undecided); the committed chunks are the plain stream's, unchanged."""
+    (masks still in place where undecided); the committed chunks are the plain stream's, unchanged. (Provisional
+    rows run one step per device call: the FDFO loop gives them back after every step.)"""
     engine = make_engine(tiny_model, **ENGINE_KW)
     plain = list(engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, stream=True))
     frames = list(engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, stream=True,
@@ -215,9 +235,11 @@ def test_provisional_stream_shows_the_block_and_adds_nothing(tiny_model, make_en
     committed = [f for f in frames if not f.get("provisional")]
     assert [c["output_ids"] for c in committed] == [c["output_ids"] for c in plain]
     assert provisional and all(f["output_ids"] == [] and f["text"] == "" for f in provisional)
+    # a frame may show a block with nothing left masked: decided, before the forward that writes its exact KV
+    assert any(any(f["block"]["masked"]) for f in provisional)
     for f in provisional:
         block = f["block"]
-        assert len(block["tokens"]) == 4 and any(block["masked"]) and block["step"] >= 1
+        assert len(block["tokens"]) == 4 and block["step"] >= 1
         assert all((t == M) for t, m in zip(block["tokens"], block["masked"]) if m)
         assert block["offset"] % 4 == 0
 

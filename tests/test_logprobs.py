@@ -400,7 +400,8 @@ def test_followers_replay_variant_calls(tiny_model, make_engine):
     follower = ModelRunner(r.params, r.cfg, block_size=r.block_size, mask_id=leader.mask_token_id,
                            algorithm=r.algorithm, num_pages=leader.num_kv_pages, max_rows=8,
                            max_pages_per_row=r.max_pages_per_row, max_prefill_blocks=r.max_prefill_blocks,
-                           loop=False, channel=channel, fold_commit=True, shape_buckets=ENGINE_KW["shape_buckets"])
+                           loop=False, channel=channel, fold_commit=r.greedy_spec.fold_commit,
+                           shape_buckets=ENGINE_KW["shape_buckets"])
     result = {}
     thread = threading.Thread(target=lambda: result.setdefault("calls", follower.follow()))
     thread.start()

@@ -9,7 +9,10 @@ blocks) and calls one of the functions below; the KV page pool is donated so its
   (argmax / sampled token and confidence, the mask id excluded), applies the algorithm under the explicit
   ``immutable`` mask and writes the block's K/V. With ``spec.loop`` it repeats that on the device
   (``lax.while_loop``) until every row is done: the synchronous schedule, with no host round trip per step.
-  Without it, it runs exactly one step: the FDFO schedule.
+  With ``spec.first_done`` (the FDFO schedule) it repeats it only until the first row with something to decode
+  is done, or ``batch.loop_cap`` steps: exactly the steps single-step rounds would run before that row leaves
+  the batch, without a host round trip between them. The host asks for one step (cap 1) when the batch must
+  change sooner: a request waits to join, a row streams its provisional block, a refresh row rides along.
 
 Two optional features compile as separate variants of the step (static fields of :class:`StepSpec`), so a batch
 that uses neither runs exactly the plain step: ``penalties`` (the batch carries :class:`Penalties`; see
@@ -48,6 +51,10 @@ class StepSpec:
     confidence_backend: str = "xla"
     sampling: bool = False  # some row samples (temperature > 0): full logits are materialised
     loop: bool = False  # synchronous schedule: loop on the device until every row is done
+    # FDFO on the device: repeat the step until the first row with something to decode is done (or
+    # ``batch.loop_cap`` steps): the rows of the batch would not change before then, so the host round trip
+    # between those steps is saved. The host passes a cap of 1 when it wants the batch back after one step.
+    first_done: bool = False
     mesh: Any = None  # jax.sharding.Mesh for tensor / expert parallelism (None: one device)
     # Fold the commit forward: a row whose update leaves nothing to decode is done at once (for foldable
     # algorithms), with ``fresh_kv`` False; the host re-encodes the block as a "refresh row" inside the next
@@ -87,6 +94,7 @@ class DenoiseBatch:
     seed: jax.Array  # [R] uint32: per-request sampling seed
     rng_step: jax.Array  # [R] int32: position of this step in the request's generation (folded into the key)
     penalties: Penalties | None = None  # only in the penalties variant
+    loop_cap: jax.Array | None = None  # [] int32: most steps of a ``first_done`` call
 
 
 @jax.tree_util.register_dataclass
@@ -250,19 +258,24 @@ def _one_step(params, kv_pages, batch: DenoiseBatch, tokens, state, steps_taken,
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("kv_pages",))
 def denoise(params, kv_pages, batch: DenoiseBatch, state: State, *, spec: StepSpec):
-    """One denoise step (FDFO) or the whole block loop (``spec.loop``, synchronous). Returns (kv_pages, result).
+    """One denoise step, the steps until the first row is done (``spec.first_done``, FDFO) or the whole block loop
+    (``spec.loop``, synchronous). Returns (kv_pages, result).
 
     With ``spec.logprobs`` the result's record holds, per position, the figures of the step that last wrote it
     during this call (the synchronous loop carries them, so each committed position keeps the forward in which it
     was written)."""
-    if not spec.loop:
+    if not (spec.loop or spec.first_done):
         kv_pages, tokens, done, fresh, state, record = _one_step(params, kv_pages, batch, batch.tokens, state,
                                                                  batch.steps_taken, spec)
         return kv_pages, DenoiseResult(tokens=tokens, done=done, steps=jnp.ones_like(batch.steps_taken),
                                        state=state, fresh_kv=fresh, logprobs=record)
 
+    live = ~jnp.all(batch.immutable, axis=-1)  # rows with something to decode (not padding, not refresh rows)
+
     def cond(carry):
         _, _, done, _, _, _, it, _ = carry
+        if spec.first_done:
+            return (it < jnp.minimum(spec.max_steps, batch.loop_cap)) & ~jnp.any(done & live) & ~jnp.all(done)
         return (it < spec.max_steps) & ~jnp.all(done)
 
     def body(carry):

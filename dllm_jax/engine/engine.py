@@ -21,7 +21,6 @@ import uuid
 from typing import Any, Callable, Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from dllm_jax import compile_cache
@@ -54,8 +53,9 @@ class Engine:
 
     Options (all keyword): ``model_path`` (None: the shipped small model), ``block_size`` (None: the model's
     default), ``algorithm`` / ``algorithm_config`` (SGLang names; the config may be a dict or a YAML path whose
-    ``block_size`` key overrides the model's), ``schedule`` (``"fdfo"``: one denoise step per round, rows join
-    and leave between steps; ``"sync"``: each round runs whole blocks on the device), ``enable_prefix_cache``,
+    ``block_size`` key overrides the model's), ``schedule`` (``"fdfo"``: first done, first out: rows join and
+    leave between steps, and a device call runs steps only until its first row is done; ``"sync"``: each round
+    runs whole blocks on the device), ``enable_prefix_cache``,
     ``max_running_requests`` (rows per denoise step; default 32), ``num_kv_pages`` (page pool size; small
     values force retraction; default: chosen by ``mem_fraction``), ``mem_fraction`` (share of the memory free
     once the weights are placed that the KV pool takes: of the device's free memory on GPU, default 0.85, of the
@@ -70,14 +70,20 @@ class Engine:
     device mesh; see :mod:`dllm_jax.sharding`), ``profile_dir``, ``seed``,
     ``context_length`` (default: the model's), ``max_prefill_tokens`` (tokens per prefill forward; default
     2048), ``mask_token_id`` (override), ``warmup`` (compile every shape bucket at start),
-    ``fold_commit_forward`` (default True: the forward that only writes a resolved block's exact KV rides in
-    the next block's first step instead of running alone; same tokens, one sequential forward fewer per block;
-    False reproduces SGLang's forward count), ``compilation_cache`` (directory of the persistent compilation
+    ``fold_commit_forward`` (True: the forward that only writes a resolved block's exact KV rides in the next
+    block's first step instead of running alone; same tokens, one sequential forward fewer per block, but one
+    more row in that step; False reproduces SGLang's forward count; default None: True on an accelerator, where
+    a small step is memory-bound and the extra row nearly free, False on CPU, where a step is compute-bound and
+    the extra row measured slower at 1, 16 and 64 requests, see bench/RESULTS.md), ``compilation_cache``
+    (directory of the persistent compilation
     cache, ``"off"`` to disable; default ``$DLLM_JAX_COMPILATION_CACHE`` or ``~/.cache/dllm-jax/xla``, see
     :mod:`dllm_jax.compile_cache`), ``progress`` (progress bars while weights load and buckets compile; default:
     when stderr is a terminal), ``shape_buckets`` (replace the padded shapes of the device calls: a dict with
     any of ``rows``, ``pages``, ``prefill_rows``, ``prefill_blocks``; see
-    :class:`dllm_jax.engine.runner.ShapeBuckets`).
+    :class:`dllm_jax.engine.runner.ShapeBuckets`), ``max_steps_per_call`` (FDFO: the most denoise steps one
+    device call runs while its batch stays the same; the call ends anyway when the first row is done, and runs a
+    single step whenever a request could join, one is still prefilling or a row streams provisional blocks;
+    default None: no further limit; 1: one step per round, as SGLang).
     """
 
     def __init__(self, model_path: str | None = None, *, block_size: int | None = None,
@@ -90,14 +96,17 @@ class Engine:
                  seed: int = 0, context_length: int | None = None, max_prefill_tokens: int = 2048,
                  mask_token_id: int | None = None, warmup: bool = False, mem_fraction: float | None = None,
                  sampling_defaults: str = "model",
-                 fold_commit_forward: bool = True, channel=None, compilation_cache: str | None = None,
-                 progress: bool | None = None, shape_buckets: dict | None = None):
+                 fold_commit_forward: bool | None = None, channel=None, compilation_cache: str | None = None,
+                 progress: bool | None = None, shape_buckets: dict | None = None,
+                 max_steps_per_call: int | None = None):
         from dllm_jax.model.loader import load_model
 
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule: must be one of {SCHEDULES}, got {schedule!r}")
         if not isinstance(max_running_requests, int) or max_running_requests < 1:
             raise ValueError(f"max_running_requests: must be an integer >= 1, got {max_running_requests!r}")
+        if max_steps_per_call is not None and (not isinstance(max_steps_per_call, int) or max_steps_per_call < 1):
+            raise ValueError(f"max_steps_per_call: must be an integer >= 1 or None, got {max_steps_per_call!r}")
         for name, value in (("tensor_parallel_size", tensor_parallel_size),
                             ("expert_parallel_size", expert_parallel_size)):
             if not isinstance(value, int) or value < 1:
@@ -164,7 +173,8 @@ class Engine:
             num_pages=num_kv_pages, max_rows=max_running_requests, max_pages_per_row=pages_per_row,
             max_prefill_blocks=max(1, min(max_prefill_tokens // B, pages_per_row)), loop=schedule == "sync",
             attention_backend=self.attention_backend, confidence_backend=self.confidence_backend,
-            kv_dtype=kv_storage_dtype(dtype), mesh=mesh, channel=channel, fold_commit=fold_commit_forward,
+            kv_dtype=kv_storage_dtype(dtype), mesh=mesh, channel=channel,
+            fold_commit=jax.default_backend() != "cpu" if fold_commit_forward is None else bool(fold_commit_forward),
             shape_buckets=shape_buckets)
         self.allocator = PageAllocator(num_kv_pages)
         self.radix = BlockRadixIndex(B, self.allocator, enabled=enable_prefix_cache)
@@ -172,7 +182,8 @@ class Engine:
             self.runner, self.allocator, self.radix, block_size=B, mask_id=self.mask_token_id,
             eos_token_ids=self.eos_token_ids, max_running_requests=max_running_requests,
             context_length=self.context_length, max_prefill_blocks=self.runner.max_prefill_blocks,
-            decode_text=self._decode if self.tokenizer is not None else None)
+            decode_text=self._decode if self.tokenizer is not None else None,
+            max_steps_per_call=max_steps_per_call or 1 << 30)
         self._rng = np.random.default_rng(seed)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, Request] = {}

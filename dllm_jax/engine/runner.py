@@ -222,7 +222,7 @@ class ModelRunner:
         device_cfg = cfg.replace(eos_token_ids=(), max_position_embeddings=0)
         base = StepSpec(model=device_cfg, block_size=block_size, mask_id=mask_id, algorithm=algorithm,
                         attention_backend=attention_backend, confidence_backend=confidence_backend, loop=loop,
-                        mesh=mesh, fold_commit=fold_commit)
+                        first_done=not loop, mesh=mesh, fold_commit=fold_commit)
         self.greedy_spec = base
         self.sampling_spec = dataclasses.replace(base, sampling=True)
         self._variants: dict[tuple[bool, int], StepSpec] = {}
@@ -282,7 +282,7 @@ class ModelRunner:
                "write_page": np.zeros((rows,), np.int32), "steps_taken": np.zeros((rows,), np.int32),
                "temperature": np.zeros((rows,), np.float32), "top_k": np.zeros((rows,), np.int32),
                "top_p": np.zeros((rows,), np.float32), "seed": np.zeros((rows,), np.uint32),
-               "rng_step": np.zeros((rows,), np.int32)}
+               "rng_step": np.zeros((rows,), np.int32), "loop_cap": np.zeros((), np.int32)}
         for k, v in self._fresh_state.items():
             out[STATE_PREFIX + k] = np.zeros((rows,) + v.shape, v.dtype)
         if variant & VARIANT_PENALTIES:
@@ -342,7 +342,9 @@ class ModelRunner:
                                             sum(len(r.prefix_pages) for r in rows), 0, False))
         self._execute(KIND_PREFILL, {"tokens": tokens, "page_table": table, "prefix_len": prefix, "write": write})
 
-    def denoise(self, rows: list[DecodeRow]) -> DecodeOutput:
+    def denoise(self, rows: list[DecodeRow], loop_cap: int = 1) -> DecodeOutput:
+        """One denoise call over ``rows``: one step, or (FDFO) up to ``loop_cap`` steps until the first row with
+        something to decode is done, or (sync) the whole block loop."""
         B = self.block_size
         n = len(rows)
         R = pick_bucket(n, self.row_buckets)
@@ -376,7 +378,7 @@ class ModelRunner:
                     state[k][i] = v
         arrays = {"tokens": tokens, "immutable": immutable, "page_table": table, "prefix_len": prefix,
                   "write_page": write, "steps_taken": steps_taken, "temperature": temperature, "top_k": top_k,
-                  "top_p": top_p, "seed": seed, "rng_step": rng_step,
+                  "top_p": top_p, "seed": seed, "rng_step": rng_step, "loop_cap": np.asarray(loop_cap, np.int32),
                   **{STATE_PREFIX + k: v for k, v in state.items()}}
         variant = 0
         if any(r.penalty is not None for r in rows):

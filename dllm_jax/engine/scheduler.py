@@ -39,7 +39,8 @@ STAT_KEYS = ("requests", "prompt_tokens", "cached_tokens", "generation_tokens", 
 class Scheduler:
     def __init__(self, runner: ModelRunner, allocator: PageAllocator, radix: BlockRadixIndex, *, block_size: int,
                  mask_id: int, eos_token_ids: tuple[int, ...], max_running_requests: int, context_length: int,
-                 max_prefill_blocks: int, decode_text: Callable[[list[int], bool], str] | None = None):
+                 max_prefill_blocks: int, decode_text: Callable[[list[int], bool], str] | None = None,
+                 max_steps_per_call: int = 1 << 30):
         self.runner = runner
         self.allocator = allocator
         self.radix = radix
@@ -50,6 +51,7 @@ class Scheduler:
         self.context_length = context_length
         self.max_prefill_blocks = max_prefill_blocks
         self.decode_text = decode_text
+        self.max_steps_per_call = max_steps_per_call
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         # Fixed keys (other threads copy this while the loop runs: the dict must never change size).
@@ -283,7 +285,7 @@ class Scheduler:
                            rng_step=self._rng_step(r), algo_state=r.algo_state, logprobs=r.params.logprobs,
                            penalty=self._penalty_row(r)) for r in reqs]
         with jax.profiler.TraceAnnotation("denoise_step"):
-            out = self.runner.denoise(rows)
+            out = self.runner.denoise(rows, loop_cap=self._loop_cap(reqs, refresh))
         self.stats["denoise_calls"] += 1
         self.stats["denoise_forwards"] += int(out.steps.max())
         self.stats["refresh_rows"] += len(refresh)
@@ -303,6 +305,17 @@ class Scheduler:
                     req.block_tokens, req.algo_state = out.tokens[i], out.states[i]
                     if req.provisional:
                         self._emit(req, PROVISIONAL)
+
+    def _loop_cap(self, reqs: list[Request], refresh: list[Request]) -> int:
+        """FDFO: how many steps the call may run on the device before the batch comes back (it stops anyway when
+        the first row is done). One when the batch should change sooner: a waiting request could join now, a
+        running one is still prefilling, a row streams its provisional block after every step, or refresh rows
+        ride along (they would be recomputed at every further step)."""
+        if (refresh or any(r.provisional for r in reqs)
+                or (self.waiting and len(self.running) < self.max_running)
+                or any(r.phase is Phase.PREFILL for r in self.running)):
+            return 1
+        return self.max_steps_per_call
 
     def _penalty_row(self, req: Request) -> PenaltyRow | None:
         """The row's penalty inputs, or None when all of its penalties are neutral (see decode.penalties)."""
