@@ -13,7 +13,7 @@ import json
 import time
 
 from bench.common import Ctx, table
-from bench.startup import _env, _free_port
+from bench.startup import _env
 
 ROUNDS = 5
 CLIENTS = 16  # concurrent streams
@@ -51,46 +51,24 @@ async def _streams(base: str, prompts: list[str], provisional: bool, max_tokens:
 
 
 def provisional(ctx: Ctx) -> dict:
-    import signal
-    import subprocess
-    import sys
     import tempfile
 
-    import httpx
-
     from dllm_jax.train import tasks
+    from serve.launch import ServerProcess
 
     m = ctx.model("shipped")
     n = CLIENTS
     prompts = [ex.prompt for ex in tasks.heldout_set(CLIENTS * PER_CLIENT)]
-    port = _free_port()
-    cache = tempfile.mkdtemp(prefix="dllm-bench-prov-")
-    proc = subprocess.Popen([sys.executable, "-m", "serve", "--model-path", m.path, "--port", str(port),
-                             "--max-running-requests", str(n), "--context-length", "256", "--log-level", "warning",
-                             "--no-access-log"], env=_env(cache), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}")
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        asyncio.run(_streams(base, prompts, False, 160))  # warm: every bucket these streams use
-        asyncio.run(_streams(base, prompts, True, 160))
+    server = ServerProcess(["--model-path", m.path, "--max-running-requests", str(n), "--context-length", "256",
+                            "--log-level", "warning", "--no-access-log"],
+                           env=_env(tempfile.mkdtemp(prefix="dllm-bench-prov-")))
+    with server:
+        asyncio.run(_streams(server.base, prompts, False, 160))  # warm: every bucket these streams use
+        asyncio.run(_streams(server.base, prompts, True, 160))
         runs = {False: [], True: []}
         for _ in range(ROUNDS):
             for mode in (False, True):
-                runs[mode].append(asyncio.run(_streams(base, prompts, mode, 160)))
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+                runs[mode].append(asyncio.run(_streams(server.base, prompts, mode, 160)))
     best = {mode: min(rs, key=lambda r: r["wall_s"]) for mode, rs in runs.items()}
     identical = best[False]["texts"] == best[True]["texts"]
     tokens = sum(len(m.tokenizer.encode(t)) for t in best[False]["texts"])

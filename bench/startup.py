@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,12 +22,6 @@ from bench.common import Ctx, table
 TARGET_RATIO = 1 / 3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env(cache_dir: str) -> dict:
     env = dict(os.environ, DLLM_JAX_COMPILATION_CACHE=cache_dir, TOKENIZERS_PARALLELISM="false")
     env.pop("XLA_FLAGS", None)
@@ -37,35 +29,16 @@ def _env(cache_dir: str) -> dict:
 
 
 def time_to_health(model_path: str, cache_dir: str, extra: list[str], timeout: float = 900) -> dict:
-    """Seconds from starting ``python -m serve`` to its first healthy answer; the ready line it printed."""
-    import httpx
+    """Seconds from starting ``python -m serve`` to its first healthy answer; the lines of ours it printed."""
+    from serve.launch import ServerProcess
 
-    port = _free_port()
-    cmd = [sys.executable, "-m", "serve", "--model-path", model_path, "--port", str(port), "--log-level", "info",
-           "--no-access-log", *extra]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=_env(cache_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = ServerProcess(["--model-path", model_path, "--log-level", "info", "--no-access-log", *extra],
+                           env=_env(cache_dir), startup_timeout=timeout).start()
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}: {proc.stdout.read()[-2000:]}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.perf_counter() - t0 > timeout:
-                raise RuntimeError(f"no healthy answer within {timeout} s")
-            time.sleep(0.05)
-        seconds = time.perf_counter() - t0
+        seconds = server.wait_healthy()
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            out, _ = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
-    lines = [line for line in out.splitlines() if line.startswith("dllm-jax: ")]
+        server.stop()
+    lines = [line for line in server.output().splitlines() if line.startswith("dllm-jax: ")]
     return {"seconds": seconds, "lines": lines}
 
 

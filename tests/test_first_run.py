@@ -1,15 +1,11 @@
 """What a new user sees: backends that cannot run here are refused at once by the CLI and the server (exit 2, one
 line naming the field; the Engine's ValueError is tests/test_engine.py's), the server starts with lines of ours
-and nothing else, and ``--version`` answers. (CI's .ci/run runs the README's demo in a venv without extras and checks its output too.)"""
+and nothing else, and ``--version`` answers. (CI's .ci/run runs the README's demo in a venv without extras and
+checks its output too.)"""
 
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
 
@@ -44,38 +40,19 @@ def test_version(capsys):
     assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"dllm-jax {__version__}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_server_start_says_only_what_we_say():
     """At the default log level: our loading line, the KV pool, and the ready line with the address; nothing from
     JAX, uvicorn or transformers (no 'Unable to initialize backend', no 'PyTorch was not found')."""
-    import httpx
+    from serve.launch import ServerProcess
 
-    port = _free_port()
     buckets = '{"rows": [8], "pages": [8], "prefill_rows": [1], "prefill_blocks": [2]}'
-    proc = subprocess.Popen([sys.executable, "-m", "serve", "--model-path", DEFAULT_MODEL_PATH, "--port", str(port),
-                             "--max-running-requests", "4", "--context-length", "256", "--num-kv-pages", "40",
-                             "--shape-buckets", buckets, "--no-warmup"],
-                            env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "server did not come up"
-            time.sleep(0.1)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=30)
+    with ServerProcess(["--model-path", DEFAULT_MODEL_PATH, "--max-running-requests", "4", "--context-length",
+                        "256", "--num-kv-pages", "40", "--shape-buckets", buckets, "--no-warmup"],
+                       env=_env(), cwd=REPO) as server:
+        port = server.port
+    out = server.output()
     lines = [line for line in out.splitlines() if line.strip()]
     assert lines[0].startswith(f"dllm-jax: loading {DEFAULT_MODEL_PATH} on cpu"), out
-    assert sum(line.startswith(f"dllm-jax: ready on http://127.0.0.1:{port} (sdar-tiny, block 32") for line in lines) == 1
+    ready = f"dllm-jax: ready on http://127.0.0.1:{port} (sdar-tiny, block 32"
+    assert sum(line.startswith(ready) for line in lines) == 1, out
     assert all(line.startswith("dllm-jax: ") for line in lines), out

@@ -11,11 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
@@ -33,48 +28,18 @@ SHAPE_BUCKETS = {"rows": [2 * MAX_RUNNING], "pages": [CONTEXT // 32], "prefill_r
 MAX_TOKENS = 64
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
+    from serve.launch import ServerProcess
+
     log_path = tmp_path_factory.mktemp("playground_log") / "server.log"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", TOKENIZERS_PARALLELISM="false", PYTHONPATH=REPO)
-    cmd = [sys.executable, "-m", "serve", "--model-path", DEFAULT_MODEL_PATH, "--port", str(port),
-           "--max-running-requests", str(MAX_RUNNING), "--context-length", str(CONTEXT),
-           "--max-prefill-tokens", str(PREFILL_TOKENS), "--shape-buckets", json.dumps(SHAPE_BUCKETS),
-           "--no-warmup", "--api-key", API_KEY, "--log-level", "warning", "--no-access-log"]
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{open(log_path).read()}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError(f"server did not come up:\n{open(log_path).read()}")
-            time.sleep(0.2)
-        yield base
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-    text = open(log_path).read()
-    assert "Traceback" not in text, text
+    args = ["--model-path", DEFAULT_MODEL_PATH, "--max-running-requests", str(MAX_RUNNING), "--context-length",
+            str(CONTEXT), "--max-prefill-tokens", str(PREFILL_TOKENS), "--shape-buckets", json.dumps(SHAPE_BUCKETS),
+            "--no-warmup", "--api-key", API_KEY, "--log-level", "warning", "--no-access-log"]
+    with ServerProcess(args, env=env, cwd=REPO, log_path=str(log_path)) as proc:
+        yield proc.base
+    assert "Traceback" not in proc.output(), proc.output()
 
 
 @pytest.fixture(scope="module")

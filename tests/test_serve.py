@@ -10,10 +10,6 @@ import asyncio
 import json
 import math
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -58,12 +54,6 @@ def build_chat_model(path: str) -> str:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     if SHIPPED:
@@ -73,45 +63,22 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    port = _free_port()
+    import resource
+
+    from serve.launch import ServerProcess
+
     log_path = tmp_path_factory.mktemp("serve_log") / "server.log"
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_DEFAULT_MATMUL_PRECISION="highest", XLA_FLAGS="",
                TOKENIZERS_PARALLELISM="false", PYTHONPATH=REPO)
-    cmd = [sys.executable, "-m", "serve", "--model-path", model_dir, "--host", "127.0.0.1", "--port", str(port),
-           "--max-running-requests", str(MAX_RUNNING), "--context-length", str(CONTEXT),
-           "--max-prefill-tokens", str(PREFILL_TOKENS), "--shape-buckets", json.dumps(SHAPE_BUCKETS), "--no-warmup",
-           "--max-queued-requests", str(MAX_QUEUED), "--api-key", API_KEY, "--log-level", "warning",
-           "--no-access-log"]
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{open(log_path).read()}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError(f"server did not come up:\n{open(log_path).read()}")
-            time.sleep(0.3)
-        yield {"base": base, "proc": proc, "log": log_path}
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-    import resource
-
+    args = ["--model-path", model_dir, "--host", "127.0.0.1", "--max-running-requests", str(MAX_RUNNING),
+            "--context-length", str(CONTEXT), "--max-prefill-tokens", str(PREFILL_TOKENS),
+            "--shape-buckets", json.dumps(SHAPE_BUCKETS), "--no-warmup", "--max-queued-requests", str(MAX_QUEUED),
+            "--api-key", API_KEY, "--log-level", "warning", "--no-access-log"]
+    with ServerProcess(args, env=env, cwd=REPO, log_path=str(log_path)) as proc:
+        yield {"base": proc.base, "proc": proc.proc, "log": log_path}
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     print(f"\nserver process CPU: {ru.ru_utime + ru.ru_stime:.1f} s")
-    text = open(log_path).read()
+    text = proc.output()
     assert "Traceback" not in text, text
 
 
