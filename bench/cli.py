@@ -74,6 +74,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bf16-layers", type=int, default=None, help="layers of the bf16 scenario's model (28; --quick: 4)")
     p.add_argument("--bf16-prompts", type=int, default=None, help="prompts of the bf16 agreement (20; --quick: 8)")
     p.add_argument("--bf16-tokens", type=int, default=None, help="greedy tokens per prompt in the bf16 scenario (8)")
+    p.add_argument("--bf16-rounds", type=int, default=None,
+                   help="alternating timing rounds (1 row, 8 rows) per dtype in the bf16 scenario (3; --quick: 1)")
+    p.add_argument("--bf16-hf-prompts", type=int, default=None,
+                   help="prompts the transformers loop runs in the bf16 scenario (4; --quick: 2)")
     p.add_argument("--hf-threads", type=int, default=None,
                    help="torch threads for the transformers loop (default: the faster of 1 and all, measured)")
     p.add_argument("--profile-dir", default=None,
@@ -96,7 +100,8 @@ def ctx_from_args(args: argparse.Namespace):
         "efficiency_models": args.efficiency_models,
         "load_dir": args.load_dir, "load_keep": args.load_keep or None, "load_layers": args.load_layers,
         "load_repeats": args.load_repeats, "load_convert": args.load_convert, "bf16_layers": args.bf16_layers,
-        "bf16_prompts": args.bf16_prompts, "bf16_tokens": args.bf16_tokens,
+        "bf16_prompts": args.bf16_prompts, "bf16_tokens": args.bf16_tokens, "bf16_hf_prompts": args.bf16_hf_prompts,
+        "bf16_rounds": args.bf16_rounds,
     }
     command = "python -m bench" + (" --quick" if args.quick else "")
     return Ctx(out_dir=args.out, quick=args.quick, seed=args.seed, threshold=args.threshold,

@@ -129,7 +129,8 @@ jax.devices()
 from dllm_jax.config import ModelConfig
 from dllm_jax.model.loader import load_safetensors_params
 def status():
-    return {l.split(':')[0]: int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith(('VmRSS', 'VmHWM'))}
+    lines = [l for l in open('/proc/self/status') if l.startswith(('VmRSS', 'VmHWM'))]
+    return {l.split(':')[0]: int(l.split()[1]) * 1024 for l in lines}
 import tqdm  # noqa: F401 (imported by the loader: not part of what the load itself costs)
 jax.jit(lambda x: x.T)(jax.numpy.zeros((4, 4), jax.numpy.bfloat16)).block_until_ready()  # the compiler up
 cfg = ModelConfig.from_model_dir(sys.argv[1])

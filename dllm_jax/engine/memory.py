@@ -20,7 +20,6 @@ import math
 import os
 
 DEFAULT_MEM_FRACTION = {"gpu": 0.85, "cpu": 0.25}
-GIB = float(1 << 30)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +47,16 @@ class KVBudget:
         """The startup line: pages, tokens of context, memory, and how many requests fit at full context."""
         rows = self.usable_pages // math.ceil(context_length / self.block_size)
         return (f"KV pool: {self.usable_pages:,} pages of {self.block_size} tokens = {self.tokens:,} tokens of "
-                f"context ({self.pool_bytes / GIB:.2f} GiB; {self.source}); {rows:,} request"
+                f"context ({human(self.pool_bytes)}; {self.source}); {rows:,} request"
                 f"{'' if rows == 1 else 's'} at the full context of {context_length:,} tokens")
+
+
+def human(n: float) -> str:
+    """Bytes as a short human figure (3 significant digits): 512 B, 1.25 MiB, 3.20 GiB."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{int(n)} B"
 
 
 def available_memory(device) -> tuple[int, str]:
@@ -110,14 +117,14 @@ def plan_kv_pool(*, page_bytes: int, block_size: int, context_length: int, max_r
     need = pages_per_row + 1
     if budget_pages < need:
         raise ValueError(
-            f"mem_fraction: {mem_fraction:g} of the {free_bytes / GIB:.2f} GiB of {what} left after the weights "
-            f"holds {max(budget_pages - 1, 0):,} KV pages ({page_bytes / (1 << 20):.2f} MiB each); one request at "
+            f"mem_fraction: {mem_fraction:g} of the {human(free_bytes)} of {what} left after the weights "
+            f"holds {max(budget_pages - 1, 0):,} KV pages ({human(page_bytes)} each); one request at "
             f"context_length {context_length:,} needs {pages_per_row:,} pages + 1 reserved "
-            f"({need * page_bytes / GIB:.2f} GiB). Raise --mem-fraction, lower --context-length, use a smaller "
+            f"({human(need * page_bytes)}). Raise --mem-fraction, lower --context-length, use a smaller "
             f"dtype, or give --num-kv-pages explicitly")
     cap = 2 * max_running_requests * pages_per_row + 1
     num = min(budget_pages, cap)
-    source = f"mem_fraction {mem_fraction:g} of {free_bytes / GIB:.1f} GiB {what}"
+    source = f"mem_fraction {mem_fraction:g} of {human(free_bytes)} {what}"
     if num == cap and budget_pages > cap:
         source += f", capped at 2 x {max_running_requests} rows x full context"
     return KVBudget(num, page_bytes, block_size, source, free_bytes, float(mem_fraction))

@@ -1,4 +1,9 @@
-"""Load a model directory (Hugging Face safetensors or our Orbax layout) into a parameter pytree.
+"""Load a model directory into a parameter pytree: Hugging Face safetensors (sharded or not, in the SDAR / Qwen3 /
+Qwen3-MoE / LLaDA2 layouts), or a ``dllm-jax convert`` output (our layout in safetensors; older ones in Orbax).
+
+Weights stream from the memory-mapped shards one tensor at a time into device arrays of the target dtype (see
+:func:`load_safetensors_params`); the tokenizer is loaded without ``AutoTokenizer`` and nothing from the model
+directory's own Python files is ever imported (:func:`tokenizer_class`).
 
 Every failure names the file or tensor at fault: a user with a broken checkpoint should not have to
 read a stack trace to find which shard is truncated.
@@ -15,7 +20,7 @@ import os
 import re
 import shutil
 import sys
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -369,7 +374,8 @@ def _safetensor_files(model_dir: str) -> list[str]:
     found = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
     if found:
         return [os.path.join(model_dir, f) for f in found]
-    raise CheckpointError(f"{model_dir}: no model.safetensors, safetensors index or Orbax '{ORBAX_PARAMS_DIR}/' found")
+    raise CheckpointError(f"{model_dir}: no model.safetensors or safetensors index found (nor a converted "
+                          f"'{ORBAX_PARAMS_DIR}/' with its {ORBAX_MARKER})")
 
 
 # Source dtypes a checkpoint may store (little-endian, as the format prescribes).
@@ -885,7 +891,8 @@ def save_converted(model_dir: str, params: Params, out_dir: str, *, max_shard_by
 
 
 def save_orbax(model_dir: str, params: Params, out_dir: str) -> None:
-    """Write ``out_dir`` with the converted parameters (Orbax) plus config and tokenizer files."""
+    """Write ``out_dir`` with the parameters as Orbax plus config and tokenizer files (the former ``convert``
+    output; :func:`save_converted` replaced it, and directories written by this still load)."""
     import orbax.checkpoint as ocp
 
     out_dir = os.path.abspath(out_dir)
