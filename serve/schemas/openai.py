@@ -65,10 +65,12 @@ class OpenAICommon(StopFields, PenaltyFields):
 
     def sampling_dict(self, max_new_tokens: int | None) -> dict:
         """The engine's sampling params (its names), gated fields included as given."""
-        out: dict[str, Any] = {"temperature": 1.0 if self.temperature is None else self.temperature}
+        # an unset temperature / top_p / top_k is left to the engine: the model's generation_config.json, else
+        # greedy (as vLLM and SGLang serve a model's own defaults, not OpenAI's temperature 1)
+        out: dict[str, Any] = {}
         if max_new_tokens is not None:
             out["max_new_tokens"] = max_new_tokens
-        for name in ("top_p", "top_k", "stop", "seed", "ignore_eos", "skip_special_tokens", "stop_token_ids",
+        for name in ("temperature", "top_p", "top_k", "stop", "seed", "ignore_eos", "skip_special_tokens", "stop_token_ids",
                      "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"):
             value = getattr(self, name)
             if value is not None:
