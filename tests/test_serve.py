@@ -312,13 +312,14 @@ def test_stop_conditions_equal_python_api(client, engine, examples):
 
 @NEEDS_SHIPPED
 def test_heldout_answers_over_http(client, examples):
-    """The shipped model answers held-out prompts right through every endpoint."""
+    """The shipped model answers held-out prompts right through every endpoint, with its own sampling defaults."""
     from dllm_jax.train.tasks import is_correct
 
     exs = examples[6:12]
     ok = 0
     for i, ex in enumerate(exs):
-        body = {"messages": [{"role": "user", "content": ex.prompt}], "max_tokens": MAX_NEW, "temperature": 0}
+        # no temperature: the model's generation_config.json (do_sample false: greedy), not OpenAI's 1.0
+        body = {"messages": [{"role": "user", "content": ex.prompt}], "max_tokens": MAX_NEW}
         if i % 2:
             text = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
         else:
