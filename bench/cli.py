@@ -5,7 +5,7 @@
     python -m bench baseline engine         # chosen scenarios
     python -m bench --profile-dir prof/     # also record a JAX profiler trace of a window of engine steps
 
-Scenarios: baseline, concurrency, prefix, long, schedules, engine, roofline (GPU), kernels, radix, load, bf16.
+Scenarios: baseline, concurrency, prefix, prefill, long, schedules, engine, roofline (GPU), kernels, radix, load, bf16.
 Outputs (default ``bench_out/``): ``<scenario>.json``, ``<scenario>.png``, ``summary.json`` (every target figure,
 met or not) and ``summary.txt``. See ``bench/README.md``.
 """
@@ -57,6 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-models", type=_names, default=None,
                    help="models of the long scenario (shipped,random50m; --quick: shipped; random50m stops at 2048 "
                         "tokens unless --long-tokens is given)")
+    p.add_argument("--prefill-tokens", type=_ints, default=None,
+                   help="prompt lengths of the prefill scenario (128,256,512,1024,1056,2048,3072,4096)")
+    p.add_argument("--prefill-models", type=_names, default=None,
+                   help="models of the prefill scenario (shipped,random50m; --quick: shipped)")
+    p.add_argument("--prefill-repeats", type=int, default=None,
+                   help="measured passes of the prefill scenario, best kept (3; --quick: 2)")
     p.add_argument("--schedule-requests", type=int, default=None, help="requests of the schedules scenario (32)")
     p.add_argument("--schedule-models", type=_names, default=None, help="models of the schedules scenario (shipped)")
     p.add_argument("--efficiency-concurrency", type=_ints, default=None,
@@ -95,6 +101,8 @@ def ctx_from_args(args: argparse.Namespace):
         "concurrency_models": args.concurrency_models, "engine_models": args.engine_models,
         "prefix_tokens": args.prefix_tokens, "prefix_requests": args.prefix_requests,
         "prefix_models": args.prefix_models, "long_tokens": args.long_tokens, "long_models": args.long_models,
+        "prefill_tokens": args.prefill_tokens, "prefill_models": args.prefill_models,
+        "prefill_repeats": args.prefill_repeats,
         "schedule_requests": args.schedule_requests, "schedule_models": args.schedule_models,
         "hf_threads": args.hf_threads, "efficiency_concurrency": args.efficiency_concurrency,
         "efficiency_models": args.efficiency_models,

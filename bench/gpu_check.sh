@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# bench/gpu_check.sh -- every GPU measurement of the benchmark suite in one call, under 8 minutes.
+# bench/gpu_check.sh -- every GPU measurement of the benchmark suite in one call, under 9 minutes.
 #
 #   bash bench/gpu_check.sh            # on a GPU machine (its preinstalled python3 + jax; no torch, no fastapi needed)
 #   bash bench/gpu_check.sh --smoke    # anywhere: tiny shapes, checks that the script itself works
@@ -10,21 +10,25 @@
 #    runner's host overhead per step (batch 1 and 64), the scheduler's host overhead with 32 requests in flight,
 #    and the two GPU targets (batch-1 step <= 1.5x the memory floor, batch-64 step <= 2x the compute floor). It
 #    stops starting new cases after ROOFLINE_BUDGET_S seconds and rewrites its JSON after every case;
-# 3. python -m bench.kernels: the Pallas kernels vs XLA at the same shapes.
+# 3. python -m bench.kernels: the Pallas kernels vs XLA at the same shapes;
+# 4. the engine end to end on the GPU: the README demo (shipped model, Pallas backends), then
+#    python -m bench efficiency (issue 16): wall vs the bare forwards of the same calls, shipped model and the
+#    random 50M model, 1 / 16 / 64 concurrent, FDFO and sync (each model under its own time limit).
 #
-# Logs and JSON go to $OUT when it is set (the lent machine's result folder), else bench_out/gpu/. The last lines
+# Logs and JSON go to bench_out/gpu/, or as one archive $OUT/gpu_check.tgz when $OUT is set (the lent machine). The last lines
 # printed are the roofline table and the targets.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SMOKE=""
 [[ "${1:-}" == "--smoke" ]] && SMOKE="--smoke"
-DEST="${OUT:-bench_out/gpu}"
+DEST="bench_out/gpu"
+[[ -n "${OUT:-}" ]] && DEST="$(mktemp -d)"  # the lent machine returns 8 files at most: one archive goes to $OUT
 mkdir -p "$DEST"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TF_CPP_MIN_LOG_LEVEL=2
 PY="${PYTHON:-python3}"
-ROOFLINE_BUDGET_S="${ROOFLINE_BUDGET_S:-200}"
+ROOFLINE_BUDGET_S="${ROOFLINE_BUDGET_S:-150}"
 T0=$(date +%s)
 
 {
@@ -36,13 +40,26 @@ T0=$(date +%s)
 } 2>&1 | tee "$DEST/env.txt"
 
 echo "== roofline (budget ${ROOFLINE_BUDGET_S} s) =="
-timeout 330 "$PY" -m bench.roofline $SMOKE --budget-s "$ROOFLINE_BUDGET_S" --out "$DEST/roofline.json" 2>&1 \
+timeout 240 "$PY" -m bench.roofline $SMOKE --budget-s "$ROOFLINE_BUDGET_S" --out "$DEST/roofline.json" 2>&1 \
   | tee "$DEST/roofline.log"
 echo "roofline exit ${PIPESTATUS[0]} after $(( $(date +%s) - T0 )) s"
 
 echo "== kernels =="
 timeout 110 "$PY" -m bench.kernels $SMOKE --out "$DEST/kernels.json" 2>&1 | tee "$DEST/kernels.log"
 echo "kernels exit ${PIPESTATUS[0]} after $(( $(date +%s) - T0 )) s"
+
+echo "== engine: the README demo on the GPU =="
+timeout 60 "$PY" -c "import sys; from dllm_jax.cli import main; sys.exit(main())" generate "Count up 11 steps from 71." 2>&1 | tee "$DEST/demo.log"
+echo "demo exit ${PIPESTATUS[0]} after $(( $(date +%s) - T0 )) s"
+
+if [[ -z "$SMOKE" ]]; then EFF_ARGS=(--efficiency-concurrency 1,16,64); EFF_MODELS=(shipped random50m)
+else EFF_ARGS=(--quick --efficiency-concurrency 1,4 --max-new-tokens 16); EFF_MODELS=(shipped); fi
+for model in "${EFF_MODELS[@]}"; do
+  echo "== efficiency ($model) =="
+  timeout "${EFFICIENCY_TIMEOUT_S:-100}" "$PY" -m bench efficiency --models "$model" --efficiency-models "$model" \
+    "${EFF_ARGS[@]}" --out "$DEST/efficiency_$model" 2>&1 | tee "$DEST/efficiency_$model.log"
+  echo "efficiency $model exit ${PIPESTATUS[0]} after $(( $(date +%s) - T0 )) s"
+done
 
 echo "== summary =="
 "$PY" - "$DEST/roofline.json" <<'EOF'
@@ -80,3 +97,4 @@ for t in r.get("targets", []):
     print(f"TARGET {t['name']}: {v} (<= {t['target']}x) {res}")
 EOF
 echo "total $(( $(date +%s) - T0 )) s; files in $DEST"
+[[ -n "${OUT:-}" ]] && tar czf "$OUT/gpu_check.tgz" -C "$DEST" . && echo "archive: \$OUT/gpu_check.tgz"

@@ -46,9 +46,9 @@ def resolve_backend(name: str, field: str) -> str:
 
 def attention_function(backend: str, mesh=None, cfg=None):
     if backend == "xla":
-        from dllm_jax.decode.xla_attention import paged_block_attention_tiled
+        from dllm_jax.decode.xla_attention import paged_block_attention_xla
 
-        return paged_block_attention_tiled  # the reference, query-tiled for long prefill chunks
+        return paged_block_attention_xla  # the reference's function: live prefix tiles only, query-tiled
     from pallas_kernels import get_attention_fn
 
     kernel = get_attention_fn(backend)

@@ -320,6 +320,19 @@ class ModelRunner:
         R = pick_bucket(num_rows, self.buckets_spec.prefill_rows_for(C))
         return R, C
 
+    def prefill_chunk(self, blocks: int) -> int:
+        """Blocks per row for a prefill call whose longest row has ``blocks`` blocks to encode (capped by the
+        budget): the smallest chunk bucket that holds them, unless more than a quarter of it would be padding
+        (padded blocks cost a real block's FLOPs); then the largest bucket below, and the rest goes in the next
+        round's call. A 33-block prompt runs as 32 + 1 blocks, not as one 64-block call half of padding. Chunks
+        of at most 4 blocks always pad (an extra call costs more than a few padded blocks there)."""
+        blocks = max(1, min(blocks, self.max_prefill_blocks))
+        up = pick_bucket(blocks, self.chunk_buckets)
+        below = [c for c in self.chunk_buckets if c <= blocks]
+        if up <= 4 or 4 * (up - blocks) <= up or not below:
+            return up
+        return below[-1]
+
     def max_prefill_rows(self, chunk: int) -> int:
         """How many rows of ``chunk`` blocks one prefill call may carry."""
         return self.buckets_spec.prefill_rows_for(pick_bucket(chunk, self.chunk_buckets))[-1]

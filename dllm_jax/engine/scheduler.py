@@ -210,7 +210,7 @@ class Scheduler:
         budget = self.max_prefill_blocks
         remaining = {id(r): r.real_len // B - len(r.pages) for r in reqs}
         reqs = sorted(reqs, key=lambda r: -remaining[id(r)])  # similar chunk lengths share a call
-        _, chunk = self.runner.prefill_shape(1, min(remaining[id(reqs[0])], budget))
+        chunk = self.runner.prefill_chunk(min(remaining[id(reqs[0])], budget))
         max_rows = self.runner.max_prefill_rows(chunk)
         allocated: list[tuple[Request, list[int]]] = []
         for req in reqs[:max_rows]:
