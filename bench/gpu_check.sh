@@ -40,12 +40,12 @@ T0=$(date +%s)
 } 2>&1 | tee "$DEST/env.txt"
 
 echo "== roofline (budget ${ROOFLINE_BUDGET_S} s) =="
-timeout 240 "$PY" -m bench.roofline $SMOKE --budget-s "$ROOFLINE_BUDGET_S" --out "$DEST/roofline.json" 2>&1 \
+timeout $(( ROOFLINE_BUDGET_S + 90 )) "$PY" -m bench.roofline $SMOKE --budget-s "$ROOFLINE_BUDGET_S" --out "$DEST/roofline.json" 2>&1 \
   | tee "$DEST/roofline.log"
 echo "roofline exit ${PIPESTATUS[0]} after $(( $(date +%s) - T0 )) s"
 
 echo "== kernels =="
-timeout 110 "$PY" -m bench.kernels $SMOKE --out "$DEST/kernels.json" 2>&1 | tee "$DEST/kernels.log"
+timeout "${KERNELS_TIMEOUT_S:-110}" "$PY" -m bench.kernels $SMOKE --out "$DEST/kernels.json" 2>&1 | tee "$DEST/kernels.log"
 echo "kernels exit ${PIPESTATUS[0]} after $(( $(date +%s) - T0 )) s"
 
 echo "== engine: the README demo on the GPU =="
