@@ -97,4 +97,4 @@ for t in r.get("targets", []):
     print(f"TARGET {t['name']}: {v} (<= {t['target']}x) {res}")
 EOF
 echo "total $(( $(date +%s) - T0 )) s; files in $DEST"
-[[ -n "${OUT:-}" ]] && tar czf "$OUT/gpu_check.tgz" -C "$DEST" . && echo "archive: \$OUT/gpu_check.tgz"
+[[ -n "${OUT:-}" ]] && tar czf "$OUT/gpu_check.tgz" --exclude=models -C "$DEST" . && echo "archive: \$OUT/gpu_check.tgz"
