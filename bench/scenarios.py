@@ -10,6 +10,7 @@ of the whole pass; latencies are per request from arrival to finish; ``tpf`` is 
 
 from __future__ import annotations
 
+import importlib
 import os
 import time
 
@@ -603,58 +604,13 @@ def radix(ctx: Ctx) -> dict:
     return {}
 
 
-def moe(ctx: Ctx) -> dict:
-    from bench.moe import moe as run
+def _lazy(module: str, function: str | None = None):
+    """A scenario that lives in its own module, imported only when it runs (some need torch or a GPU)."""
+    def run(ctx: Ctx) -> dict:
+        return getattr(importlib.import_module(f"bench.{module}"), function or module)(ctx)
 
-    return run(ctx)
-
-
-def efficiency(ctx: Ctx) -> dict:
-    from bench.efficiency import efficiency as run
-
-    return run(ctx)
-
-
-def prefill(ctx: Ctx) -> dict:
-    from bench.prefill import prefill as run
-
-    return run(ctx)
-
-
-def startup(ctx: Ctx) -> dict:
-    from bench.startup import startup as run
-
-    return run(ctx)
-
-
-def load(ctx: Ctx) -> dict:
-    from bench.load import load as run
-
-    return run(ctx)
-
-
-def bf16(ctx: Ctx) -> dict:
-    from bench.load import bf16 as run
-
-    return run(ctx)
-
-
-def invariance(ctx: Ctx) -> dict:
-    from bench.invariance import invariance as run
-
-    return run(ctx)
-
-
-def cpu_matmul(ctx: Ctx) -> dict:
-    from bench.cpu_matmul import cpu_matmul as run
-
-    return run(ctx)
-
-
-def provisional(ctx: Ctx) -> dict:
-    from bench.provisional import provisional as run
-
-    return run(ctx)
+    run.__name__ = function or module
+    return run
 
 
 SCENARIOS = {
@@ -667,15 +623,15 @@ SCENARIOS = {
     "roofline": roofline,
     "kernels": kernels,
     "radix": radix,
-    "moe": moe,
-    "efficiency": efficiency,
-    "prefill": prefill,
-    "startup": startup,
-    "invariance": invariance,
-    "cpu_matmul": cpu_matmul,
-    "provisional": provisional,
-    "load": load,
-    "bf16": bf16,
+    "moe": _lazy("moe"),
+    "efficiency": _lazy("efficiency"),
+    "prefill": _lazy("prefill"),
+    "startup": _lazy("startup"),
+    "invariance": _lazy("invariance"),
+    "cpu_matmul": _lazy("cpu_matmul"),
+    "provisional": _lazy("provisional"),
+    "load": _lazy("load"),
+    "bf16": _lazy("load", "bf16"),
 }
 DEFAULT_SCENARIOS = ("baseline", "concurrency", "prefix", "long", "schedules", "engine", "efficiency", "moe",
                      "roofline")
