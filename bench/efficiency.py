@@ -5,12 +5,13 @@ page-table width, blocks per row) and how much of it was real work. The *floor* 
 calls, of the bare time of that call's bucket: a jitted forward (K/V write included) plus the confidence
 selection, nothing else, measured separately in the same process on the same shapes. A call that looped ``n``
 forwards on the device (the FDFO loop, the synchronous schedule) is charged what a bare call looping ``n``
-forwards costs: ``fixed + n * per_forward``, both fitted per bucket from bare calls of 1 and of 8 forwards in a
-``fori_loop`` (on a GPU the launch and sync of a small model's call cost more than its forward; charging ``n``
-separate calls would put the floor above the engine). ``wall / floor`` is what the engine adds on top of the forwards it chose to run:
-host work between calls, the algorithm and sampling on the device, the host sync. How good the choice of forwards
-was is reported beside it: padding rows and padded page-table width (as fractions of rows and of the FLOPs of the
-calls), refresh rows, prefill calls, tokens per forward.
+forwards costs: ``fixed + n * per_forward``, both fitted per bucket from bare calls of 1 and of 8 forwards (3
+when one forward takes over 50 ms) in a ``fori_loop`` (on a GPU the launch and sync of a small model's call cost
+more than its forward: charging ``n`` separate calls would put the floor above the engine). ``wall / floor`` is
+what the engine adds on top of the forwards it chose to run: host work between calls, the algorithm and sampling
+on the device, the host sync. How good the choice of forwards was is reported beside it: padding rows and padded
+page-table width (as fractions of rows and of the FLOPs of the calls), refresh rows, prefill calls, tokens per
+forward.
 """
 
 from __future__ import annotations
@@ -86,8 +87,9 @@ class BareForward:
         key = (kind, rows, width, blocks)
         if key not in self._memo:
             one = self._measure(kind, rows, width, blocks, 1)
-            many = self._measure(kind, rows, width, blocks, self.LOOPS)
-            per_forward = max((many - one) / (self.LOOPS - 1), 0.0)
+            loops = self.LOOPS if one < 0.05 else 3  # a slow forward: its call's fixed cost is lost in it anyway
+            many = self._measure(kind, rows, width, blocks, loops)
+            per_forward = max((many - one) / (loops - 1), 0.0)
             self._memo[key] = (max(one - per_forward, 0.0), per_forward)
         fixed, per_forward = self._memo[key]
         return fixed + iterations * per_forward
@@ -106,9 +108,14 @@ class BareForward:
         run = functools.partial(self._bare, select=select, loops=loops)
         self.pool, out = run(self.runner.params, self.pool, tokens, table, prefix, write)
         jax.block_until_ready(out)  # compile + first run
-        times = []
+        t0 = time.perf_counter()
+        self.pool, out = run(self.runner.params, self.pool, tokens, table, prefix, write)
+        jax.block_until_ready(out)
+        first = time.perf_counter() - t0
+        min_reps = 5 if first < 0.05 else 3  # a call of a big bucket: three timings give a stable median
+        times = [first]
         start = time.perf_counter()
-        while len(times) < max_reps and (len(times) < 5 or time.perf_counter() - start < min_time):
+        while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - start < min_time):
             t0 = time.perf_counter()
             self.pool, out = run(self.runner.params, self.pool, tokens, table, prefix, write)
             jax.block_until_ready(out)

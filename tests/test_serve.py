@@ -486,6 +486,65 @@ def test_logprobs_and_penalties_over_http(client, engine, examples):
     wait_idle(client)
 
 
+def test_real_openai_client(server, client, engine, examples):
+    """The ``openai`` package itself, as users call it: logprobs (chat, streamed chat, completions), n = 2 with a
+    seed, and penalties / logit_bias (the OpenAI fields as keywords, our extensions through ``extra_body``) get
+    the answers of the same requests sent as plain JSON (which the tests above tie to the Python API)."""
+    from openai import OpenAI
+
+    oc = OpenAI(base_url=server["base"] + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    assert [m.id for m in oc.models.list().data] == [model]
+    text = chat_text(engine, examples[7].prompt)
+    first = engine.generate(prompt=text, sampling_params={"max_new_tokens": 24, **GREEDY})["output_ids"][0]
+    pen = {"presence_penalty": 0.7, "frequency_penalty": 0.4, "logit_bias": {str(first): -100.0}}
+    ext = {"repetition_penalty": 1.3, "min_tokens": 4}  # not OpenAI fields: extra_body
+    messages = [{"role": "user", "content": examples[7].prompt}]
+
+    # chat with logprobs + top_logprobs (the same features as the test above: one compiled step variant)
+    body = {"messages": messages, "max_tokens": 24, "temperature": 0, "logprobs": True, "top_logprobs": 3,
+            **pen, **ext}
+    raw = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    got = oc.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0, logprobs=True,
+                                     top_logprobs=3, extra_body=ext, **pen).choices[0]
+    assert got.message.content == raw["message"]["content"] and got.finish_reason == raw["finish_reason"]
+    assert [(c.token, c.logprob) for c in got.logprobs.content] == \
+        [(c["token"], c["logprob"]) for c in raw["logprobs"]["content"]]
+    assert all([t.token for t in c.top_logprobs] == [t["token"] for t in r["top_logprobs"]]
+               for c, r in zip(got.logprobs.content, raw["logprobs"]["content"]))
+    assert got.logprobs.content[0].token != tok_piece(engine, first)  # the bias applies
+
+    # streamed: the deltas add up to the same text, the streamed logprobs to the same list
+    pieces, streamed = [], []
+    for chunk in oc.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
+                                            logprobs=True, top_logprobs=3, extra_body=ext, stream=True, **pen):
+        for ch in chunk.choices:
+            pieces.append(ch.delta.content or "")
+            streamed += [(c.token, c.logprob) for c in (ch.logprobs.content if ch.logprobs else None) or []]
+    assert "".join(pieces) == raw["message"]["content"]
+    assert streamed == [(c["token"], c["logprob"]) for c in raw["logprobs"]["content"]]
+
+    # completions: logprobs = 3
+    comp = oc.completions.create(model=model, prompt=text, max_tokens=24, temperature=0, logprobs=3,
+                                 extra_body=ext, **pen).choices[0]
+    assert comp.text == raw["message"]["content"]
+    assert [round(v, 6) for v in comp.logprobs.token_logprobs] == \
+        [round(c["logprob"], 6) for c in raw["logprobs"]["content"]]
+
+    # n = 2 with a seed: choices 0 and 1, seeded 11 and 12, as the JSON request gives them
+    sampled = {"max_tokens": 24, "temperature": 0.9, "top_p": 0.95, "seed": 11, "n": 2}
+    raw = client.post("/v1/chat/completions", json={"messages": messages, **sampled}).json()
+    got = oc.chat.completions.create(model=model, messages=messages, **sampled)
+    assert [c.index for c in got.choices] == [0, 1]
+    assert [c.message.content for c in got.choices] == [c["message"]["content"] for c in raw["choices"]]
+    assert got.usage.completion_tokens == raw["usage"]["completion_tokens"]
+    wait_idle(client)
+
+
+def tok_piece(engine, token_id: int) -> str:
+    return engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
 # ----------------------------------------------------------------------------------------------
 # Provisional streaming: the block being denoised, between committed chunks
 # ----------------------------------------------------------------------------------------------
