@@ -34,7 +34,6 @@ QUERY_ROWS = 1024  # tokens x q heads x batch rows per query tile
 SCORE_ELEMENTS = 512 * 1024  # query rows x keys per score tile
 UNROLL_Q_TILES = 4  # query tiles up to this many are unrolled; more run in a loop (compile time stays flat)
 MIN_K_TILE, MAX_K_TILE = 256, 512  # keys per prefix tile: fewer iterations below, skipped dead pages above
-DEFAULT_TILE = 256  # kept for callers of paged_block_attention_tiled(tile=...)
 
 
 def attention_tiles(num_rows: int, chunk_len: int, num_q_heads: int, width: int, block_size: int,
@@ -150,9 +149,3 @@ def paged_block_attention_xla(q, k_new, v_new, k_pages, v_pages, page_table, pre
     out = out[:, :, :chunk_len * group].reshape(num_kv_heads, num_rows, chunk_len, group, head_dim)
     return out.transpose(1, 2, 0, 3, 4).reshape(num_rows, chunk_len, num_q_heads, head_dim).astype(q.dtype)
 
-
-def paged_block_attention_tiled(q, k_new, v_new, k_pages, v_pages, page_table, prefix_len, *, block_size,
-                                tile: int = DEFAULT_TILE, k_tile: int | None = None):
-    """:func:`paged_block_attention_xla` with an explicit query tile (``tile`` tokens)."""
-    return paged_block_attention_xla(q, k_new, v_new, k_pages, v_pages, page_table, prefix_len,
-                                      block_size=block_size, q_tile=tile, k_tile=k_tile)

@@ -122,6 +122,18 @@ class ShapeBuckets:
         return cls(**values)
 
 
+_STEP_COMPILES = [0]
+_STEP_FUNCTIONS = ("jit(denoise)", "jit(prefill)")
+
+
+def _count_step_compile(event: str, duration_secs: float, **kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration" and kwargs.get("fun_name") in _STEP_FUNCTIONS:
+        _STEP_COMPILES[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_step_compile)
+
+
 @dataclasses.dataclass
 class CallRecord:
     """One device call: its bucket (``rows`` x ``width`` pages, ``blocks`` per row) and its real content."""
@@ -236,15 +248,22 @@ class ModelRunner:
     # -------------------------------------------------------------------------------------------
     # Device calls. With several processes (multi-host), the leader sends every call's padded inputs to the
     # followers first, so all processes run the same SPMD program on the same data.
-    def _execute(self, kind: int, arrays: dict[str, np.ndarray]):
+    def _execute(self, kind: int, arrays: dict[str, np.ndarray], *, compile_only: bool = False):
+        """Run one device call, or with ``compile_only`` just compile it (ahead of time: the executable lands in
+        JAX's caches, so the first real call of the shape runs it without compiling; nothing is computed)."""
         if self.channel is not None:
             self.channel.send(np.asarray([kind, *arrays["page_table"].shape, arrays["tokens"].shape[1]], np.int32),
                               arrays)
-        self.device_calls += 1
+        if not compile_only:
+            self.device_calls += 1
         kind, variant = kind & 3, kind >> 2
         if kind == KIND_PREFILL:
-            self.kv_pages = prefill(self.params, self.kv_pages, arrays["tokens"], arrays["page_table"],
-                                    arrays["prefix_len"], arrays["write"], spec=self.prefill_spec)
+            args = (self.params, self.kv_pages, arrays["tokens"], arrays["page_table"], arrays["prefix_len"],
+                    arrays["write"])
+            if compile_only:
+                prefill.lower(*args, spec=self.prefill_spec).compile()
+            else:
+                self.kv_pages = prefill(*args, spec=self.prefill_spec)
             return None
         state = {k[len(STATE_PREFIX):]: v for k, v in arrays.items() if k.startswith(STATE_PREFIX)}
         penalties = None
@@ -253,8 +272,11 @@ class ModelRunner:
         batch = DenoiseBatch(**{f.name: arrays[f.name] for f in dataclasses.fields(DenoiseBatch)
                                 if f.name != "penalties"}, penalties=penalties)
         sampling = bool(np.any((arrays["temperature"] > 0) & (arrays["top_k"] != 1)))
-        self.kv_pages, result = denoise(self.params, self.kv_pages, batch, state,
-                                        spec=self.denoise_spec(sampling, variant))
+        spec = self.denoise_spec(sampling, variant)
+        if compile_only:
+            denoise.lower(self.params, self.kv_pages, batch, state, spec=spec).compile()
+            return None
+        self.kv_pages, result = denoise(self.params, self.kv_pages, batch, state, spec=spec)
         return result
 
     def denoise_spec(self, sampling: bool, variant: int = 0) -> StepSpec:
@@ -337,7 +359,7 @@ class ModelRunner:
         """How many rows of ``chunk`` blocks one prefill call may carry."""
         return self.buckets_spec.prefill_rows_for(pick_bucket(chunk, self.chunk_buckets))[-1]
 
-    def prefill(self, rows: list[PrefillRow]) -> None:
+    def prefill(self, rows: list[PrefillRow], *, compile_only: bool = False) -> None:
         B = self.block_size
         R, C = self.prefill_shape(len(rows), max(len(r.write_pages) for r in rows))
         W = pick_bucket(max(1, max(len(r.prefix_pages) for r in rows)), self.width_buckets)
@@ -350,14 +372,16 @@ class ModelRunner:
             table[i, : len(r.prefix_pages)] = r.prefix_pages
             prefix[i] = len(r.prefix_pages) * B
             write[i, : len(r.write_pages)] = r.write_pages
-        if self.call_log is not None:
+        if self.call_log is not None and not compile_only:
             self.call_log.append(CallRecord("prefill", R, W, C, len(rows), sum(len(r.write_pages) for r in rows),
                                             sum(len(r.prefix_pages) for r in rows), 0, False))
-        self._execute(KIND_PREFILL, {"tokens": tokens, "page_table": table, "prefix_len": prefix, "write": write})
+        self._execute(KIND_PREFILL, {"tokens": tokens, "page_table": table, "prefix_len": prefix, "write": write},
+                      compile_only=compile_only)
 
-    def denoise(self, rows: list[DecodeRow], loop_cap: int = 1) -> DecodeOutput:
+    def denoise(self, rows: list[DecodeRow], loop_cap: int = 1, *, compile_only: bool = False) -> DecodeOutput | None:
         """One denoise call over ``rows``: one step, or (FDFO) up to ``loop_cap`` steps until the first row with
-        something to decode is done, or (sync) the whole block loop."""
+        something to decode is done, or (sync) the whole block loop. ``compile_only``: compile the call's
+        executable and return None."""
         B = self.block_size
         n = len(rows)
         R = pick_bucket(n, self.row_buckets)
@@ -399,7 +423,9 @@ class ModelRunner:
             arrays.update({PENALTY_PREFIX + k: v for k, v in _penalty_arrays(rows, R, (W + 1) * B).items()})
         if any(r.logprobs >= 0 for r in rows):
             variant |= VARIANT_LOGPROBS | (VARIANT_TOP if any(r.logprobs > 0 for r in rows) else 0)
-        result = self._execute(KIND_DENOISE | (variant << 2), arrays)
+        result = self._execute(KIND_DENOISE | (variant << 2), arrays, compile_only=compile_only)
+        if compile_only:
+            return None
         result = jax.device_get(result)  # the one host sync of this step
         if self.call_log is not None:
             sampled = bool(np.any((temperature > 0) & (top_k != 1)))
@@ -444,9 +470,14 @@ class ModelRunner:
 
     def warmup(self, *, sampling: bool = False, logprobs: bool = False, penalties: bool = False,
                on_bucket=None) -> int:
-        """Compile every bucket now (padding rows only: writes land in the trash page), with the step variants
-        asked for (see :meth:`buckets`). Returns the count."""
+        """Compile every bucket now, with the step variants asked for (see :meth:`buckets`). Returns the count.
+
+        The executables are compiled ahead of time, not run: running a bucket of padding rows costs its full
+        forward, and the big prefill buckets of a 50M model took minutes of a CPU's start that way. With followers
+        (several processes) each bucket is run instead (padding rows, writes to the trash page), so that every
+        process compiles it now, in step, rather than inside a later collective."""
         B = self.block_size
+        compile_only = self.channel is None
         count = 0
         for bucket in self.buckets(sampling=sampling, logprobs=logprobs, penalties=penalties):
             if bucket[0] == "denoise":
@@ -457,11 +488,11 @@ class ModelRunner:
                                 temperature=1.0 if sampled else 0.0, top_k=-1, top_p=1.0, seed=0, rng_step=0,
                                 algo_state=None, logprobs=lps,
                                 penalty=PenaltyRow([], 0) if variant & VARIANT_PENALTIES else None)
-                self.denoise([row] * R)
+                self.denoise([row] * R, compile_only=compile_only)
             else:
                 _, R, C, W = bucket
                 self.prefill([PrefillRow(tokens=[0] * (C * B), prefix_pages=[TRASH_PAGE] * W,
-                                         write_pages=[TRASH_PAGE] * C)] * R)
+                                         write_pages=[TRASH_PAGE] * C)] * R, compile_only=compile_only)
             count += 1
             if on_bucket is not None:
                 on_bucket()
@@ -470,8 +501,10 @@ class ModelRunner:
 
     @staticmethod
     def compiled_executables() -> int:
-        """How many executables the step functions hold (a test asserts it stops growing after warm-up)."""
-        return denoise._cache_size() + prefill._cache_size()
+        """How many executables the step functions have obtained in this process, compiled or loaded from the
+        persistent cache (a test asserts it stops growing after warm-up). Counted from JAX's compile events, not
+        from the jit dispatch caches: an executable compiled ahead of time enters those only at its first call."""
+        return _STEP_COMPILES[0]
 
 
 def _penalty_arrays(rows: list[DecodeRow], R: int, history_len: int) -> dict[str, np.ndarray]:
