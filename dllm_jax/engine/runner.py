@@ -148,6 +148,7 @@ class CallRecord:
     refresh_rows: int
     sampled: bool
     iterations: int = 1  # forwards the call ran (the synchronous schedule loops on the device)
+    max_prefix_pages: int = 0  # the longest real prefix of its rows (the XLA attention walks the table up to it)
 
 
 @dataclasses.dataclass
@@ -217,6 +218,11 @@ class ModelRunner:
             fold_commit=fold_commit, custom=shape_buckets)
         self.row_buckets = buckets.rows
         self.width_buckets = buckets.pages
+        # Prefill calls take the widest page table: both attentions walk only a row's real prefix (the table's
+        # padding is never read), so a width per bucket would only multiply the prefill executables (27 row x
+        # chunk pairs x 9 widths = 243 of a 50M model's 297 buckets at the default 8k context, most of its
+        # cold start). Denoise calls keep their width buckets: their short prefixes use key tiles sized to them.
+        self.prefill_width = buckets.pages[-1]
         self.max_pages_per_row = max_pages_per_row
         self.chunk_buckets = buckets.prefill_blocks
         self.max_prefill_blocks = buckets.prefill_budget
@@ -362,7 +368,7 @@ class ModelRunner:
     def prefill(self, rows: list[PrefillRow], *, compile_only: bool = False) -> None:
         B = self.block_size
         R, C = self.prefill_shape(len(rows), max(len(r.write_pages) for r in rows))
-        W = pick_bucket(max(1, max(len(r.prefix_pages) for r in rows)), self.width_buckets)
+        W = self.prefill_width
         tokens = np.zeros((R, C * B), np.int32)
         table = np.full((R, W), TRASH_PAGE, np.int32)
         prefix = np.zeros((R,), np.int32)
@@ -374,7 +380,8 @@ class ModelRunner:
             write[i, : len(r.write_pages)] = r.write_pages
         if self.call_log is not None and not compile_only:
             self.call_log.append(CallRecord("prefill", R, W, C, len(rows), sum(len(r.write_pages) for r in rows),
-                                            sum(len(r.prefix_pages) for r in rows), 0, False))
+                                            sum(len(r.prefix_pages) for r in rows), 0, False,
+                                            max_prefix_pages=max(len(r.prefix_pages) for r in rows)))
         self._execute(KIND_PREFILL, {"tokens": tokens, "page_table": table, "prefix_len": prefix, "write": write},
                       compile_only=compile_only)
 
@@ -430,7 +437,8 @@ class ModelRunner:
         if self.call_log is not None:
             sampled = bool(np.any((temperature > 0) & (top_k != 1)))
             self.call_log.append(CallRecord("denoise", R, W, 1, n, n, sum(len(r.prefix_pages) for r in rows),
-                                            sum(r.refresh for r in rows), sampled, int(result.steps.max())))
+                                            sum(r.refresh for r in rows), sampled, int(result.steps.max()),
+                                            max(len(r.prefix_pages) for r in rows)))
         states = [{k: v[i] for k, v in result.state.items()} for i in range(n)]
         out = DecodeOutput(tokens=np.asarray(result.tokens[:n]), done=np.asarray(result.done[:n]),
                            steps=np.asarray(result.steps[:n]), states=states,
@@ -445,10 +453,8 @@ class ModelRunner:
     # -------------------------------------------------------------------------------------------
     def buckets(self, *, sampling: bool = False, logprobs: bool = False, penalties: bool = False) -> list[tuple]:
         """Every shape a call can take: ``("denoise", rows, width, sampling, variant)`` and ``("prefill", rows,
-        blocks, width)``. A prefill chunk bucket whose smallest real chunk leaves room for only a short prefix skips
-        the page-table widths no request can reach (a chunk of C blocks after more than ``max_pages - C`` pages
-        does not fit the context). ``sampling`` / ``logprobs`` / ``penalties`` add the step variants for them
-        (every combination: a batch may mix such requests)."""
+        blocks, width)`` (prefill: always the widest table, see ``prefill_width``). ``sampling`` / ``logprobs`` /
+        ``penalties`` add the step variants for them (every combination: a batch may mix such requests)."""
         variants = [0]
         if penalties:
             variants += [VARIANT_PENALTIES]
@@ -456,13 +462,8 @@ class ModelRunner:
             variants += [v | VARIANT_LOGPROBS | top for v in list(variants) for top in (0, VARIANT_TOP)]
         out = [("denoise", R, W, sampled, v) for sampled in ((False, True) if sampling else (False,))
                for v in variants for R, W in itertools.product(self.row_buckets, self.width_buckets)]
-        smallest = 1
-        for C in self.chunk_buckets:
-            widest = pick_bucket(max(1, self.max_pages_per_row - smallest), self.width_buckets)
-            for R, W in itertools.product(self.buckets_spec.prefill_rows_for(C), self.width_buckets):
-                if W <= widest:
-                    out.append(("prefill", R, C, W))
-            smallest = C + 1
+        out += [("prefill", R, C, self.prefill_width) for C in self.chunk_buckets
+                for R in self.buckets_spec.prefill_rows_for(C)]
         return out
 
     def num_buckets(self, **variants) -> int:
