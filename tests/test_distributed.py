@@ -29,18 +29,26 @@ class QueueChannel:
         return header, arrays
 
 
-def test_follower_replays_leader_calls(tiny_model, make_engine):
-    channel = QueueChannel()
-    leader = make_engine(tiny_model, channel=channel, **ENGINE_KW)
+def start_follower(leader, channel: QueueChannel, max_rows: int):
+    """A follower runner on the leader's model and buckets, replaying in a thread; returns (runner, thread,
+    result: ``result["calls"]`` = the calls it ran once it stopped)."""
     r = leader.runner
     follower = ModelRunner(r.params, r.cfg, block_size=r.block_size, mask_id=leader.mask_token_id,
-                           algorithm=r.algorithm, num_pages=leader.num_kv_pages, max_rows=leader.max_running_requests,
+                           algorithm=r.algorithm, num_pages=leader.num_kv_pages, max_rows=max_rows,
                            max_pages_per_row=r.max_pages_per_row, max_prefill_blocks=r.max_prefill_blocks,
                            loop=False, channel=channel, fold_commit=r.greedy_spec.fold_commit,
                            shape_buckets=ENGINE_KW["shape_buckets"])
     result = {}
     thread = threading.Thread(target=lambda: result.setdefault("calls", follower.follow()))
     thread.start()
+    return follower, thread, result
+
+
+def test_follower_replays_leader_calls(tiny_model, make_engine):
+    channel = QueueChannel()
+    leader = make_engine(tiny_model, channel=channel, **ENGINE_KW)
+    r = leader.runner
+    follower, thread, result = start_follower(leader, channel, leader.max_running_requests)
     leader.generate(input_ids=[[5, 6, 7, 8, 9, 10], [3, 4], list(range(2, 20))],
                     sampling_params={"max_new_tokens": 9, "ignore_eos": True, "temperature": 0.7, "seed": 1})
     calls = r.device_calls

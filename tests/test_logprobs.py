@@ -389,22 +389,12 @@ def test_tiled_top_k_and_token_logits_equal_the_full_logits(vocab_major):
 def test_followers_replay_variant_calls(tiny_model, make_engine):
     """Multi-host: the variant travels in the call's header, so a follower shapes the penalty tables itself and
     runs the same step (its KV pool ends equal to the leader's)."""
-    import threading
-
-    from dllm_jax.engine.runner import ModelRunner
-    from test_distributed import QueueChannel
+    from test_distributed import QueueChannel, start_follower
 
     channel = QueueChannel()
     leader = make_engine(tiny_model, channel=channel, **ENGINE_KW)
     r = leader.runner
-    follower = ModelRunner(r.params, r.cfg, block_size=r.block_size, mask_id=leader.mask_token_id,
-                           algorithm=r.algorithm, num_pages=leader.num_kv_pages, max_rows=8,
-                           max_pages_per_row=r.max_pages_per_row, max_prefill_blocks=r.max_prefill_blocks,
-                           loop=False, channel=channel, fold_commit=r.greedy_spec.fold_commit,
-                           shape_buckets=ENGINE_KW["shape_buckets"])
-    result = {}
-    thread = threading.Thread(target=lambda: result.setdefault("calls", follower.follow()))
-    thread.start()
+    follower, thread, result = start_follower(leader, channel, max_rows=8)
     leader.generate(input_ids=PROMPTS[:2], sampling_params=[
         {"max_new_tokens": 8, "return_logprob": True, "top_logprobs_num": K, **PENALTIES, "temperature": 0.8,
          "seed": 5},
