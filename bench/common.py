@@ -374,6 +374,37 @@ def make_engine(model: ModelInfo, ctx: Ctx, **kwargs):
     return Engine(model.path, **kwargs)
 
 
+def scratch_pool(runner):
+    """A zeroed KV pool of the engine's shape and sharding, for bare-forward timings to donate (the engine's own
+    pool stays untouched)."""
+    import jax
+    import jax.numpy as jnp
+
+    pool = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), runner.kv_pages)
+    if runner.mesh is not None:
+        pool = jax.tree.map(lambda x, ref: jax.device_put(x, ref.sharding), pool, runner.kv_pages)
+    return pool
+
+
+def bare_forward(spec):
+    """The device work of one call and nothing else, on the engine's own model code: ``(params, kv, tokens, table,
+    prefix, write, select) -> (kv, out)``; ``out`` is the hidden states, or with ``select`` the confidence
+    selection's ``(argmax, p_max)`` per position (no algorithm, no sampling). Trace it inside a jit."""
+    from dllm_jax.decode.backends import confidence_stats
+    from dllm_jax.decode.step import _model_forward
+
+    def forward(params, kv, tokens, table, prefix, write, select):
+        hidden, kv = _model_forward(params, kv, tokens, table, prefix, write, spec)
+        if not select:
+            return kv, hidden
+        rows, length, dim = hidden.shape
+        arg, p, _ = confidence_stats(spec.confidence_backend, params, hidden.reshape(rows * length, dim),
+                                     exclude_token_id=spec.mask_id, mesh=spec.mesh, cfg=spec.model)
+        return kv, (arg.reshape(rows, length), p.reshape(rows, length))
+
+    return forward
+
+
 def kv_pages_for(prompts: list[list[int]], max_new_tokens: int, concurrency: int, extra: int = 8) -> int:
     """A page pool that holds ``concurrency`` of the longest requests (plus a little room for the cache)."""
     longest = max(len(p) for p in prompts) + max_new_tokens + 2 * BLOCK_SIZE

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import statistics
 import time
 
 import numpy as np
@@ -43,28 +42,18 @@ class BareForward:
 
     def __init__(self, engine):
         import jax
-        import jax.numpy as jnp
 
-        from dllm_jax.decode.backends import confidence_stats
-        from dllm_jax.decode.step import _model_forward
+        from bench.common import bare_forward, scratch_pool
 
         runner = engine.runner
         self.runner = runner
-        spec = runner.greedy_spec
         self.B = runner.block_size
-        # A pool of the engine's shape, not the engine's own buffers (donated here, so theirs stay untouched).
-        self.pool = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), runner.kv_pages)
-        if runner.mesh is not None:
-            self.pool = jax.tree.map(lambda x, ref: jax.device_put(x, ref.sharding), self.pool, runner.kv_pages)
+        self.pool = scratch_pool(runner)
+        forward = bare_forward(runner.greedy_spec)
 
         def once(params, kv, tokens, table, prefix, write, select):
-            hidden, kv = _model_forward(params, kv, tokens, table, prefix, write, spec)
-            if not select:
-                return kv, hidden[:, 0, 0]
-            rows, length, dim = hidden.shape
-            arg, p, _ = confidence_stats(spec.confidence_backend, params, hidden.reshape(rows * length, dim),
-                                         exclude_token_id=spec.mask_id, mesh=spec.mesh, cfg=spec.model)
-            return kv, p.reshape(rows, length)[:, 0] + arg.reshape(rows, length)[:, 0]
+            kv, out = forward(params, kv, tokens, table, prefix, write, select)
+            return kv, (out[1][:, 0] + out[0][:, 0] if select else out[:, 0, 0])
 
         @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("select", "loops"))
         def bare(params, kv, tokens, table, prefix, write, *, select, loops):
@@ -127,7 +116,7 @@ class BareForward:
         self.pool, out = run(self.runner.params, self.pool, tokens, table, prefix, write)
         jax.block_until_ready(out)
         first = time.perf_counter() - t0
-        min_reps = 5 if first < 0.05 else 3  # a call of a big bucket: three timings give a stable median
+        min_reps = 5 if first < 0.05 else 3  # a call of a big bucket: three timings suffice
         times = [first]
         start = time.perf_counter()
         while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - start < min_time):

@@ -57,34 +57,27 @@ class Floors:
         import jax
         import jax.numpy as jnp
 
-        from dllm_jax.decode.backends import confidence_stats
-        from dllm_jax.decode.step import _model_forward
+        from bench.common import bare_forward, scratch_pool
 
         runner = engine.runner
         self.params = runner.params
         self.B = engine.block_size
         self.vocab = runner.cfg.vocab_size
         self.best: dict[tuple, float] = {}
-        # A pool of the engine's shape, not the engine's own buffers (donated here).
-        self.pool = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), runner.kv_pages)
-        if runner.mesh is not None:
-            self.pool = jax.tree.map(lambda x, ref: jax.device_put(x, ref.sharding), self.pool, runner.kv_pages)
-        spec = runner.greedy_spec
+        self.pool = scratch_pool(runner)
+        forward = bare_forward(runner.greedy_spec)
 
         @functools.partial(jax.jit, donate_argnums=(1,))
         def prefill(params, kv, tokens, table, prefix, write):
-            return _model_forward(params, kv, tokens, table, prefix, write, spec)[1]
+            return forward(params, kv, tokens, table, prefix, write, False)[0]
 
         @functools.partial(jax.jit, donate_argnums=(1,))
         def block(params, kv, tokens, table, prefix, write, n):
             def body(_, carry):
                 kv, tokens = carry
-                hidden, kv = _model_forward(params, kv, tokens, table, prefix, write, spec)
-                rows, length, dim = hidden.shape
-                arg, p, _ = confidence_stats(spec.confidence_backend, params, hidden.reshape(rows * length, dim),
-                                             exclude_token_id=spec.mask_id, mesh=spec.mesh, cfg=spec.model)
+                kv, (arg, p) = forward(params, kv, tokens, table, prefix, write, True)
                 # never true (p <= 1), but the next forward depends on this one: nothing is hoisted out
-                return kv, jnp.where(p.reshape(tokens.shape) > 2.0, arg.reshape(tokens.shape), tokens)
+                return kv, jnp.where(p > 2.0, arg, tokens)
 
             return jax.lax.fori_loop(0, n, body, (kv, tokens))
 

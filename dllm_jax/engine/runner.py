@@ -256,8 +256,9 @@ class ModelRunner:
     # followers first, so all processes run the same SPMD program on the same data.
     def _execute(self, kind: int, arrays: dict[str, np.ndarray], *, compile_only: bool = False):
         """Run one device call, or with ``compile_only`` just compile it (ahead of time: the executable lands in
-        JAX's caches, so the first real call of the shape runs it without compiling; nothing is computed)."""
-        if self.channel is not None:
+        JAX's caches, so the first real call of the shape runs it without compiling; nothing is computed, and
+        followers are not told: they would run it)."""
+        if self.channel is not None and not compile_only:
             self.channel.send(np.asarray([kind, *arrays["page_table"].shape, arrays["tokens"].shape[1]], np.int32),
                               arrays)
         if not compile_only:

@@ -70,8 +70,8 @@ class OpenAICommon(StopFields, PenaltyFields):
         out: dict[str, Any] = {}
         if max_new_tokens is not None:
             out["max_new_tokens"] = max_new_tokens
-        for name in ("temperature", "top_p", "top_k", "stop", "seed", "ignore_eos", "skip_special_tokens", "stop_token_ids",
-                     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"):
+        for name in ("temperature", "top_p", "top_k", "stop", "seed", "ignore_eos", "skip_special_tokens",
+                     "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
