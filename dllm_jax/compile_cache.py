@@ -70,3 +70,11 @@ def _reset() -> None:
     from jax._src import compilation_cache
 
     compilation_cache.reset_cache()
+
+
+def beside(cache_dir: str | None, name: str) -> str | None:
+    """A file of ours kept in the cache directory (e.g. the KV pool size its programs were compiled for), or
+    None when the cache is off or not a local directory."""
+    if not cache_dir or not os.path.isdir(cache_dir):
+        return None
+    return os.path.join(cache_dir, name)

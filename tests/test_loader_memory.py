@@ -37,6 +37,24 @@ def test_budget_decides_the_pool_and_the_cap_bounds_it():
     assert plan_kv_pool(mem_fraction=0.5, free_bytes=1, num_kv_pages=7, **kw).num_pages == 7  # explicit wins
 
 
+def test_a_second_start_keeps_the_pool_size_its_programs_were_compiled_for(tmp_path):
+    """Free memory moves by a few percent between starts; the pool size is a dimension of every compiled program,
+    so a later start reuses the remembered size within 10% (else the compilation cache would miss everywhere)."""
+    kw = dict(page_bytes=MIB, block_size=4, context_length=1024, max_running_requests=8, device=CPU,
+              mem_fraction=0.25, remember=str(tmp_path / "kv_pool.json"))
+    first = plan_kv_pool(free_bytes=4000 * MIB, **kw)
+    assert first.num_pages == 1000
+    for free in (3860, 4150):  # -3.5% and +3.75% free memory: the same pool, so the same programs
+        again = plan_kv_pool(free_bytes=free * MIB, **kw)
+        assert again.num_pages == 1000 and "last start's size" in again.source
+    assert plan_kv_pool(free_bytes=2000 * MIB, **kw).num_pages == 500  # far less memory: the fraction decides
+    assert plan_kv_pool(free_bytes=2040 * MIB, **kw).num_pages == 500  # ...and that size is remembered next
+    assert plan_kv_pool(free_bytes=6000 * MIB, **kw).num_pages == 1500  # far more: a bigger pool is worth a compile
+    other = plan_kv_pool(free_bytes=4000 * MIB, **{**kw, "max_running_requests": 4})
+    assert other.num_pages == 1000 and "last start" not in other.source  # other flags: their own entry
+    assert plan_kv_pool(free_bytes=4000 * MIB, **{**kw, "remember": None}).num_pages == 1000
+
+
 def test_too_little_memory_for_one_request_is_a_clear_error():
     kw = dict(page_bytes=MIB, block_size=4, context_length=1024, max_running_requests=2, device=CPU)
     with pytest.raises(ValueError, match=r"mem_fraction: 0.1 of the .* one request at context_length 1,024 needs "

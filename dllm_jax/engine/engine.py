@@ -150,7 +150,8 @@ class Engine:
         self.kv_budget = plan_kv_pool(
             page_bytes=kv_bytes_per_page(cfg, B, dtype), block_size=B, context_length=self.context_length,
             max_running_requests=max_running_requests, mem_fraction=mem_fraction, device=jax.devices()[0],
-            num_kv_pages=num_kv_pages)
+            num_kv_pages=num_kv_pages,
+            remember=compile_cache.beside(self.compilation_cache, "kv_pool.json"))
         self.num_kv_pages = num_kv_pages = self.kv_budget.num_pages
         log.info("%s", self.kv_budget.describe(self.context_length))
         self.max_running_requests = max_running_requests

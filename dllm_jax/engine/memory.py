@@ -11,15 +11,24 @@ The pool never exceeds what can be used: every running row at full context, twic
 only hold prefix-cache pages), so a small model on a large machine does not zero gigabytes for nothing. A budget
 too small for one request at ``context_length`` is a ``ValueError`` at startup, naming the numbers and the flags
 that change them. An explicit ``num_kv_pages`` bypasses all of this.
+
+The pool's page count is a dimension of every compiled program, and free memory moves by a few percent between
+two starts; so the size chosen is remembered (a small JSON file beside the persistent compilation cache, keyed by
+the page size and the flags), and a later start reuses it while it stays within ``REUSE_TOLERANCE`` of what the
+fraction gives now. Without that, a second start of the same server compiled every bucket again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
+import tempfile
 
 DEFAULT_MEM_FRACTION = {"gpu": 0.85, "cpu": 0.25}
+REUSE_TOLERANCE = 0.10  # a remembered pool size is reused within +-10% of the fresh budget...
+MAX_SHARE_ON_REUSE = 0.90  # ...but never more than this share of the free memory (a GPU's 0.85 leaves little room)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +107,9 @@ def host_available_memory() -> int:
 
 def plan_kv_pool(*, page_bytes: int, block_size: int, context_length: int, max_running_requests: int,
                  mem_fraction: float | None, device, num_kv_pages: int | None = None,
-                 free_bytes: int | None = None) -> KVBudget:
-    """Choose the pool size (see the module docstring). ``free_bytes`` overrides the measurement (tests)."""
+                 free_bytes: int | None = None, remember: str | None = None) -> KVBudget:
+    """Choose the pool size (see the module docstring). ``free_bytes`` overrides the measurement (tests);
+    ``remember`` is the JSON file that keeps the size chosen at the last start (None: nothing remembered)."""
     if num_kv_pages is not None:
         if not isinstance(num_kv_pages, int) or isinstance(num_kv_pages, bool) or num_kv_pages < 2:
             raise ValueError(f"num_kv_pages: must be an integer >= 2 (page 0 is reserved), got {num_kv_pages!r}")
@@ -127,4 +137,36 @@ def plan_kv_pool(*, page_bytes: int, block_size: int, context_length: int, max_r
     source = f"mem_fraction {mem_fraction:g} of {human(free_bytes)} {what}"
     if num == cap and budget_pages > cap:
         source += f", capped at 2 x {max_running_requests} rows x full context"
+    if remember is not None:
+        key = (f"{device.platform}/{getattr(device, 'device_kind', '')}/page {page_bytes}/block {block_size}/"
+               f"context {context_length}/rows {max_running_requests}/fraction {mem_fraction:g}")
+        sizes = _read_sizes(remember)
+        last = sizes.get(key)
+        share = min(mem_fraction * (1 + REUSE_TOLERANCE), max(mem_fraction, MAX_SHARE_ON_REUSE))
+        if (isinstance(last, int) and last != num and need <= last <= cap
+                and num * (1 - REUSE_TOLERANCE) <= last <= share * free_bytes // page_bytes):
+            num = last
+            source += "; kept at the last start's size so its compiled programs are reused"
+        elif last != num:
+            _write_sizes(remember, {**sizes, key: num})
     return KVBudget(num, page_bytes, block_size, source, free_bytes, float(mem_fraction))
+
+
+def _read_sizes(path: str) -> dict:
+    try:
+        with open(path) as f:
+            sizes = json.load(f)
+        return sizes if isinstance(sizes, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_sizes(path: str, sizes: dict) -> None:
+    """Atomically (two servers may start at once); a read-only cache directory just means nothing is kept."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".kv_pool-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(sizes, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass
