@@ -22,8 +22,10 @@ when asked (``sampling=``, ``logprobs=``, ``penalties=``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
+import os
 from typing import Any
 
 import jax
@@ -254,23 +256,22 @@ class ModelRunner:
     # -------------------------------------------------------------------------------------------
     # Device calls. With several processes (multi-host), the leader sends every call's padded inputs to the
     # followers first, so all processes run the same SPMD program on the same data.
-    def _execute(self, kind: int, arrays: dict[str, np.ndarray], *, compile_only: bool = False):
-        """Run one device call, or with ``compile_only`` just compile it (ahead of time: the executable lands in
-        JAX's caches, so the first real call of the shape runs it without compiling; nothing is computed, and
-        followers are not told: they would run it)."""
-        if self.channel is not None and not compile_only:
+    def _execute(self, kind: int, arrays: dict[str, np.ndarray], *, lower_only: bool = False):
+        """Run one device call, or with ``lower_only`` just trace and lower it and return the ``jax.stages.Lowered``
+        (its ``compile()`` puts the executable in JAX's caches, so the first real call of the shape runs it without
+        compiling; nothing is computed, and followers are not told: they would run it)."""
+        if self.channel is not None and not lower_only:
             self.channel.send(np.asarray([kind, *arrays["page_table"].shape, arrays["tokens"].shape[1]], np.int32),
                               arrays)
-        if not compile_only:
+        if not lower_only:
             self.device_calls += 1
         kind, variant = kind & 3, kind >> 2
         if kind == KIND_PREFILL:
             args = (self.params, self.kv_pages, arrays["tokens"], arrays["page_table"], arrays["prefix_len"],
                     arrays["write"])
-            if compile_only:
-                prefill.lower(*args, spec=self.prefill_spec).compile()
-            else:
-                self.kv_pages = prefill(*args, spec=self.prefill_spec)
+            if lower_only:
+                return prefill.lower(*args, spec=self.prefill_spec)
+            self.kv_pages = prefill(*args, spec=self.prefill_spec)
             return None
         state = {k[len(STATE_PREFIX):]: v for k, v in arrays.items() if k.startswith(STATE_PREFIX)}
         penalties = None
@@ -280,9 +281,8 @@ class ModelRunner:
                                 if f.name != "penalties"}, penalties=penalties)
         sampling = bool(np.any((arrays["temperature"] > 0) & (arrays["top_k"] != 1)))
         spec = self.denoise_spec(sampling, variant)
-        if compile_only:
-            denoise.lower(self.params, self.kv_pages, batch, state, spec=spec).compile()
-            return None
+        if lower_only:
+            return denoise.lower(self.params, self.kv_pages, batch, state, spec=spec)
         self.kv_pages, result = denoise(self.params, self.kv_pages, batch, state, spec=spec)
         return result
 
@@ -366,7 +366,8 @@ class ModelRunner:
         """How many rows of ``chunk`` blocks one prefill call may carry."""
         return self.buckets_spec.prefill_rows_for(pick_bucket(chunk, self.chunk_buckets))[-1]
 
-    def prefill(self, rows: list[PrefillRow], *, compile_only: bool = False) -> None:
+    def prefill(self, rows: list[PrefillRow], *, lower_only: bool = False):
+        """One prefill call over ``rows`` (writes their KV pages); ``lower_only``: return the lowered call."""
         B = self.block_size
         R, C = self.prefill_shape(len(rows), max(len(r.write_pages) for r in rows))
         W = self.prefill_width
@@ -379,17 +380,17 @@ class ModelRunner:
             table[i, : len(r.prefix_pages)] = r.prefix_pages
             prefix[i] = len(r.prefix_pages) * B
             write[i, : len(r.write_pages)] = r.write_pages
-        if self.call_log is not None and not compile_only:
+        if self.call_log is not None and not lower_only:
             self.call_log.append(CallRecord("prefill", R, W, C, len(rows), sum(len(r.write_pages) for r in rows),
                                             sum(len(r.prefix_pages) for r in rows), 0, False,
                                             max_prefix_pages=max(len(r.prefix_pages) for r in rows)))
-        self._execute(KIND_PREFILL, {"tokens": tokens, "page_table": table, "prefix_len": prefix, "write": write},
-                      compile_only=compile_only)
+        return self._execute(KIND_PREFILL, {"tokens": tokens, "page_table": table, "prefix_len": prefix,
+                                            "write": write}, lower_only=lower_only)
 
-    def denoise(self, rows: list[DecodeRow], loop_cap: int = 1, *, compile_only: bool = False) -> DecodeOutput | None:
+    def denoise(self, rows: list[DecodeRow], loop_cap: int = 1, *, lower_only: bool = False):
         """One denoise call over ``rows``: one step, or (FDFO) up to ``loop_cap`` steps until the first row with
-        something to decode is done, or (sync) the whole block loop. ``compile_only``: compile the call's
-        executable and return None."""
+        something to decode is done, or (sync) the whole block loop; returns a ``DecodeOutput``. ``lower_only``:
+        return the lowered call instead (see ``_execute``)."""
         B = self.block_size
         n = len(rows)
         R = pick_bucket(n, self.row_buckets)
@@ -431,9 +432,9 @@ class ModelRunner:
             arrays.update({PENALTY_PREFIX + k: v for k, v in _penalty_arrays(rows, R, (W + 1) * B).items()})
         if any(r.logprobs >= 0 for r in rows):
             variant |= VARIANT_LOGPROBS | (VARIANT_TOP if any(r.logprobs > 0 for r in rows) else 0)
-        result = self._execute(KIND_DENOISE | (variant << 2), arrays, compile_only=compile_only)
-        if compile_only:
-            return None
+        result = self._execute(KIND_DENOISE | (variant << 2), arrays, lower_only=lower_only)
+        if lower_only:
+            return result
         result = jax.device_get(result)  # the one host sync of this step
         if self.call_log is not None:
             sampled = bool(np.any((temperature > 0) & (top_k != 1)))
@@ -475,29 +476,41 @@ class ModelRunner:
         """Compile every bucket now, with the step variants asked for (see :meth:`buckets`). Returns the count.
 
         The executables are compiled ahead of time, not run: running a bucket of padding rows costs its full
-        forward, and the big prefill buckets of a 50M model took minutes of a CPU's start that way. With followers
-        (several processes) each bucket is run instead (padding rows, writes to the trash page), so that every
-        process compiles it now, in step, rather than inside a later collective."""
+        forward, and the big prefill buckets of a 50M model took minutes of a CPU's start that way. Tracing and
+        lowering hold the GIL, compiling (or loading an executable from the persistent cache) mostly does not, so
+        the main thread lowers bucket after bucket while a pool of one thread per core compiles them: on a warm
+        cache the loads hide behind the lowering. With followers (several processes) each bucket is run instead
+        (padding rows, writes to the trash page), so that every process compiles it now, in step, rather than
+        inside a later collective."""
         B = self.block_size
-        compile_only = self.channel is None
+        lower_only = self.channel is None
         count = 0
-        for bucket in self.buckets(sampling=sampling, logprobs=logprobs, penalties=penalties):
-            if bucket[0] == "denoise":
-                _, R, W, sampled, variant = bucket
-                lps = -1 if not variant & VARIANT_LOGPROBS else (1 if variant & VARIANT_TOP else 0)
-                row = DecodeRow(tokens=np.zeros(B, np.int32), immutable=np.ones(B, np.bool_),
-                                prefix_pages=[TRASH_PAGE] * W, write_page=TRASH_PAGE, steps_taken=0,
-                                temperature=1.0 if sampled else 0.0, top_k=-1, top_p=1.0, seed=0, rng_step=0,
-                                algo_state=None, logprobs=lps,
-                                penalty=PenaltyRow([], 0) if variant & VARIANT_PENALTIES else None)
-                self.denoise([row] * R, compile_only=compile_only)
-            else:
-                _, R, C, W = bucket
-                self.prefill([PrefillRow(tokens=[0] * (C * B), prefix_pages=[TRASH_PAGE] * W,
-                                         write_pages=[TRASH_PAGE] * C)] * R, compile_only=compile_only)
-            count += 1
-            if on_bucket is not None:
-                on_bucket()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1,
+                                                   thread_name_prefix="dllm-compile") as pool:
+            pending = []
+            for bucket in self.buckets(sampling=sampling, logprobs=logprobs, penalties=penalties):
+                if bucket[0] == "denoise":
+                    _, R, W, sampled, variant = bucket
+                    lps = -1 if not variant & VARIANT_LOGPROBS else (1 if variant & VARIANT_TOP else 0)
+                    row = DecodeRow(tokens=np.zeros(B, np.int32), immutable=np.ones(B, np.bool_),
+                                    prefix_pages=[TRASH_PAGE] * W, write_page=TRASH_PAGE, steps_taken=0,
+                                    temperature=1.0 if sampled else 0.0, top_k=-1, top_p=1.0, seed=0, rng_step=0,
+                                    algo_state=None, logprobs=lps,
+                                    penalty=PenaltyRow([], 0) if variant & VARIANT_PENALTIES else None)
+                    lowered = self.denoise([row] * R, lower_only=lower_only)
+                else:
+                    _, R, C, W = bucket
+                    lowered = self.prefill([PrefillRow(tokens=[0] * (C * B), prefix_pages=[TRASH_PAGE] * W,
+                                                       write_pages=[TRASH_PAGE] * C)] * R, lower_only=lower_only)
+                count += 1
+                if lower_only:
+                    pending.append(pool.submit(lowered.compile))
+                    if on_bucket is not None:
+                        pending[-1].add_done_callback(lambda _: on_bucket())
+                elif on_bucket is not None:
+                    on_bucket()
+            for future in pending:
+                future.result()  # a compile error surfaces here, in the caller's thread
         jax.block_until_ready(self.kv_pages)
         return count
 

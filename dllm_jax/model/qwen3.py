@@ -300,8 +300,12 @@ def forward_chunk(params: Params, cfg: ModelConfig, tokens, kv_pages, page_table
     positions = prefix_len[:, None] + jnp.arange(chunk_len, dtype=prefix_len.dtype)[None, :]
     x = params["embed"][tokens]
     flat_pages = write_pages.reshape(-1)
-    new_pages = []
-    for layer, (k_pool, v_pool) in zip(params["layers"], kv_pages):
+
+    # One jit for a layer, called once per layer: layers of the same shape trace and lower once per call shape
+    # instead of once per layer (a 16-layer model's start spent most of its warm-cache time tracing), and XLA
+    # inlines the calls, so the compiled program is the same as with the layers written out.
+    @jax.jit
+    def layer_fn(layer, x, k_pool, v_pool, positions, flat_pages, page_table, prefix_len):
         h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
         q, k, v = _qkv(layer, h, positions, cfg)
         with jax.named_scope("kv_write"):
@@ -314,13 +318,18 @@ def forward_chunk(params: Params, cfg: ModelConfig, tokens, kv_pages, page_table
                 return kv_to_storage(t.transpose(2, 0, 1, 3), k_pool.dtype)
             k_pool = k_pool.at[:, flat_pages].set(to_pages(k))
             v_pool = v_pool.at[:, flat_pages].set(to_pages(v))
-            new_pages.append((k_pool, v_pool))
         with jax.named_scope("attention"):
             attn = attention_fn(q, k, v, kv_values(k_pool), kv_values(v_pool), page_table, prefix_len,
                                 block_size=block_size)
             x = x + _out_proj(layer, attn.reshape(num_rows, chunk_len, cfg.q_size))
         with jax.named_scope("mlp"):
             x = x + _mlp(layer, x, cfg)
+        return x, k_pool, v_pool
+
+    new_pages = []
+    for layer, (k_pool, v_pool) in zip(params["layers"], kv_pages):
+        x, k_pool, v_pool = layer_fn(layer, x, k_pool, v_pool, positions, flat_pages, page_table, prefix_len)
+        new_pages.append((k_pool, v_pool))
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     return hidden, new_pages
 
