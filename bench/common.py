@@ -270,19 +270,19 @@ class _Timed:
 
 @contextlib.contextmanager
 def device_timer():
-    """Time the engine's device calls: patches ``dllm_jax.engine.runner``'s ``denoise`` (waited for, as the
+    """Time the engine's device calls: patches ``dllm_jax.engine.runner``'s ``denoise_packed`` (waited for, as the
     runner waits right after anyway) and ``prefill`` (not waited for: its work finishes inside the next
     waited call, as in normal running). Yields the list of (kind, start, dispatched, ready)."""
     from dllm_jax.engine import runner
 
     log: list = []
-    saved = runner.denoise, runner.prefill
-    runner.denoise = _Timed(saved[0], log, "denoise", True)
+    saved = runner.denoise_packed, runner.prefill
+    runner.denoise_packed = _Timed(saved[0], log, "denoise", True)
     runner.prefill = _Timed(saved[1], log, "prefill", False)
     try:
         yield log
     finally:
-        runner.denoise, runner.prefill = saved
+        runner.denoise_packed, runner.prefill = saved
 
 
 def percentile(values, q):

@@ -343,21 +343,21 @@ def test_sharded_logprob_steps_hold_no_full_logits(tmp_path, make_engine):
     engine = make_engine(build_tiny_model(tmp_path / "m96", vocab=vocab), tensor_parallel_size=4, **ENGINE_KW)
     runner = engine.runner
     rows = runner.row_buckets[0]
-    real = runner_mod.denoise
+    real = runner_mod.denoise_packed
     for logprobs, penalty in ((K, None), (0, None), (K, PenaltyRow([3, 4, 5], 1, presence=0.5, bias=((7, 1.0),)))):
         captured = {}
 
-        def spy(params, kv_pages, batch, state, *, spec):
-            captured["hlo"] = real.lower(params, kv_pages, batch, state, spec=spec).compile().as_text()
-            return real(params, kv_pages, batch, state, spec=spec)
+        def spy(params, kv_pages, packed, *, spec, layout):
+            captured["hlo"] = real.lower(params, kv_pages, packed, spec=spec, layout=layout).compile().as_text()
+            return real(params, kv_pages, packed, spec=spec, layout=layout)
 
-        runner_mod.denoise = spy
+        runner_mod.denoise_packed = spy
         try:
             runner.denoise([DecodeRow(tokens=np.full(B, M, np.int32), immutable=np.zeros(B, bool), prefix_pages=[],
                                       write_page=0, steps_taken=0, temperature=0.0, top_k=-1, top_p=1.0, seed=0,
                                       rng_step=0, algo_state=None, logprobs=logprobs, penalty=penalty)] * rows)
         finally:
-            runner_mod.denoise = real
+            runner_mod.denoise_packed = real
         hlo = captured["hlo"]
         assert re.search(rf"f32\[{rows * B},{vocab // 4}\]|f32\[{rows},{B},{vocab // 4}\]", hlo)
         assert not re.search(rf"\[[\d,]*\b{vocab}\]", hlo), (logprobs, penalty)

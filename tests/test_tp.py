@@ -90,19 +90,19 @@ def test_full_logits_never_materialised(models, make_engine):
     B = runner.block_size
     import dllm_jax.engine.runner as runner_mod
 
-    real = runner_mod.denoise
+    real = runner_mod.denoise_packed
 
-    def spy(params, kv_pages, batch, state, *, spec):
-        captured["hlo"] = real.lower(params, kv_pages, batch, state, spec=spec).compile().as_text()
-        return real(params, kv_pages, batch, state, spec=spec)
+    def spy(params, kv_pages, packed, *, spec, layout):
+        captured["hlo"] = real.lower(params, kv_pages, packed, spec=spec, layout=layout).compile().as_text()
+        return real(params, kv_pages, packed, spec=spec, layout=layout)
 
-    runner_mod.denoise = spy
+    runner_mod.denoise_packed = spy
     try:
         runner.denoise([DecodeRow(tokens=np.full(B, 63, np.int32), immutable=np.zeros(B, bool), prefix_pages=[],
                                   write_page=0, steps_taken=0, temperature=0.0, top_k=-1, top_p=1.0, seed=0,
                                   rng_step=0, algo_state=None)] * rows)
     finally:
-        runner_mod.denoise = real
+        runner_mod.denoise_packed = real
     hlo = captured["hlo"]
     positions = rows * B
     assert re.search(rf"f32\[{positions},{VOCAB // 4}\]", hlo), "expected per-shard logits [N, V/4]"

@@ -29,12 +29,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dllm_jax.config import ModelConfig
 from dllm_jax.decode.algorithms import Algorithm, Candidates, State
 from dllm_jax.decode.algorithms import entropy as entropy_of
 from dllm_jax.decode import logprobs as lp
 from dllm_jax.decode.backends import attention_function, confidence_stats
+from dllm_jax.decode.packing import RowLayout
 from dllm_jax.decode.penalties import Penalties, apply_penalties
 from dllm_jax.model.qwen3 import forward_chunk, logits_from_hidden
 
@@ -301,6 +303,48 @@ def denoise(params, kv_pages, batch: DenoiseBatch, state: State, *, spec: StepSp
     kv_pages, tokens, done, fresh, state, steps, _, record = jax.lax.while_loop(cond, body, init)
     return kv_pages, DenoiseResult(tokens=tokens, done=done, steps=steps, state=state, fresh_kv=fresh,
                                    logprobs=record)
+
+
+# ----------------------------------------------------------------------------------------------
+# The engine's call: one packed array in, one out (see :mod:`dllm_jax.decode.packing`)
+# ----------------------------------------------------------------------------------------------
+
+STATE_PREFIX = "state."  # packed field names of the algorithm state's leaves
+PENALTY_PREFIX = "penalties."  # and of the Penalties tables
+
+
+def result_layout(block_size: int, state_row: dict) -> RowLayout:
+    """The per-row results of :func:`denoise_packed`: tokens, done, steps, fresh_kv, then the algorithm state's
+    leaves by name (``state_row``: one row of each leaf, e.g. ``algorithm.init_state(1, B)`` without its row)."""
+    return RowLayout((("tokens", (block_size,), "int32"), ("done", (), "bool"), ("steps", (), "int32"),
+                      ("fresh_kv", (), "bool"))
+                     + tuple((STATE_PREFIX + k, tuple(v.shape), np.dtype(v.dtype).name)
+                             for k, v in sorted(state_row.items())))
+
+
+def _unpack_call(fields: dict) -> tuple[DenoiseBatch, State]:
+    state = {k[len(STATE_PREFIX):]: v for k, v in fields.items() if k.startswith(STATE_PREFIX)}
+    penalties = None
+    if any(k.startswith(PENALTY_PREFIX) for k in fields):
+        penalties = Penalties(**{f.name: fields[PENALTY_PREFIX + f.name] for f in dataclasses.fields(Penalties)})
+    batch = DenoiseBatch(**{f.name: fields[f.name] for f in dataclasses.fields(DenoiseBatch)
+                            if f.name not in ("penalties", "loop_cap")},
+                         penalties=penalties, loop_cap=fields["loop_cap"][0])
+    return batch, state
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "layout"), donate_argnames=("kv_pages",))
+def denoise_packed(params, kv_pages, packed, *, spec: StepSpec, layout: RowLayout):
+    """:func:`denoise` as the engine calls it: every per-row input in ``packed`` (``int32 [R, layout.width]``: the
+    :class:`DenoiseBatch` fields by name, ``loop_cap`` in every row, ``state.*`` and with penalties
+    ``penalties.*``), every per-row result packed by :func:`result_layout`. Returns ``(kv_pages, packed results,
+    logprobs record or None)``: one array to the device and one back per call."""
+    batch, state = _unpack_call(layout.unpack(packed))
+    kv_pages, result = denoise(params, kv_pages, batch, state, spec=spec)
+    out = {"tokens": result.tokens, "done": result.done, "steps": result.steps, "fresh_kv": result.fresh_kv,
+           **{STATE_PREFIX + k: v for k, v in result.state.items()}}
+    state_row = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in result.state.items()}
+    return kv_pages, result_layout(spec.block_size, state_row).pack(out), result.logprobs
 
 
 def init_kv_pages(cfg: ModelConfig, num_pages: int, block_size: int, dtype=jnp.float32) -> list[Any]:

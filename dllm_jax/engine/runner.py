@@ -33,8 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dllm_jax.decode.algorithms import Algorithm
-from dllm_jax.decode.penalties import Penalties
-from dllm_jax.decode.step import DenoiseBatch, StepSpec, denoise, init_kv_pages, prefill
+from dllm_jax.decode.packing import RowLayout
+from dllm_jax.decode.step import (PENALTY_PREFIX, STATE_PREFIX, StepSpec, denoise_packed, init_kv_pages, prefill,
+                                   result_layout)
 from dllm_jax.cache.pages import TRASH_PAGE
 from dllm_jax.engine.sampling import MAX_LOGIT_BIAS, MAX_MIN_NEW_STOP_IDS, MAX_TOP_LOGPROBS
 
@@ -42,8 +43,6 @@ from dllm_jax.engine.sampling import MAX_LOGIT_BIAS, MAX_MIN_NEW_STOP_IDS, MAX_T
 KIND_STOP, KIND_PREFILL, KIND_DENOISE = 0, 1, 2
 # Denoise variants, as bits above the kind in a call's header (followers shape their arrays from it).
 VARIANT_PENALTIES, VARIANT_LOGPROBS, VARIANT_TOP = 1, 2, 4
-STATE_PREFIX = "state."
-PENALTY_PREFIX = "penalties."
 
 
 def pow2_buckets(limit: int) -> tuple[int, ...]:
@@ -125,7 +124,7 @@ class ShapeBuckets:
 
 
 _STEP_COMPILES = [0]
-_STEP_FUNCTIONS = ("jit(denoise)", "jit(prefill)")
+_STEP_FUNCTIONS = ("jit(denoise_packed)", "jit(prefill)")
 
 
 def _count_step_compile(event: str, duration_secs: float, **kwargs) -> None:
@@ -248,6 +247,8 @@ class ModelRunner:
         self._variants: dict[tuple[bool, int], StepSpec] = {}
         self.prefill_spec = dataclasses.replace(base, algorithm=None)
         self._fresh_state = {k: np.asarray(v)[0] for k, v in algorithm.init_state(1, block_size).items()}
+        self._result_layout = result_layout(block_size, self._fresh_state)
+        self._layouts: dict[tuple[int, bool], RowLayout] = {}
         self.device_calls = 0
         # When a list (the efficiency bench sets one), every call appends a CallRecord: its bucket and how much
         # of it was real work, so a run can be set against the bare cost of its buckets.
@@ -256,13 +257,14 @@ class ModelRunner:
     # -------------------------------------------------------------------------------------------
     # Device calls. With several processes (multi-host), the leader sends every call's padded inputs to the
     # followers first, so all processes run the same SPMD program on the same data.
-    def _execute(self, kind: int, arrays: dict[str, np.ndarray], *, lower_only: bool = False):
+    def _execute(self, kind: int, arrays: dict[str, np.ndarray], shape: tuple[int, int, int], *,
+                 lower_only: bool = False):
         """Run one device call, or with ``lower_only`` just trace and lower it and return the ``jax.stages.Lowered``
         (its ``compile()`` puts the executable in JAX's caches, so the first real call of the shape runs it without
-        compiling; nothing is computed, and followers are not told: they would run it)."""
+        compiling; nothing is computed, and followers are not told: they would run it). ``shape``: (rows,
+        page-table width, tokens per row), what followers shape their arrays from (see :meth:`_template`)."""
         if self.channel is not None and not lower_only:
-            self.channel.send(np.asarray([kind, *arrays["page_table"].shape, arrays["tokens"].shape[1]], np.int32),
-                              arrays)
+            self.channel.send(np.asarray([kind, *shape], np.int32), arrays)
         if not lower_only:
             self.device_calls += 1
         kind, variant = kind & 3, kind >> 2
@@ -273,18 +275,36 @@ class ModelRunner:
                 return prefill.lower(*args, spec=self.prefill_spec)
             self.kv_pages = prefill(*args, spec=self.prefill_spec)
             return None
-        state = {k[len(STATE_PREFIX):]: v for k, v in arrays.items() if k.startswith(STATE_PREFIX)}
-        penalties = None
-        if variant & VARIANT_PENALTIES:
-            penalties = Penalties(**{f.name: arrays[PENALTY_PREFIX + f.name] for f in dataclasses.fields(Penalties)})
-        batch = DenoiseBatch(**{f.name: arrays[f.name] for f in dataclasses.fields(DenoiseBatch)
-                                if f.name != "penalties"}, penalties=penalties)
-        sampling = bool(np.any((arrays["temperature"] > 0) & (arrays["top_k"] != 1)))
+        layout = self.denoise_layout(shape[1], bool(variant & VARIANT_PENALTIES))
+        rows = arrays["rows"]
+        sampling = bool(np.any((layout.view(rows, "temperature") > 0) & (layout.view(rows, "top_k") != 1)))
         spec = self.denoise_spec(sampling, variant)
+        args = (self.params, self.kv_pages, rows)
         if lower_only:
-            return denoise.lower(self.params, self.kv_pages, batch, state, spec=spec)
-        self.kv_pages, result = denoise(self.params, self.kv_pages, batch, state, spec=spec)
+            return denoise_packed.lower(*args, spec=spec, layout=layout)
+        self.kv_pages, *result = denoise_packed(*args, spec=spec, layout=layout)
         return result
+
+    def denoise_layout(self, width: int, penalties: bool) -> RowLayout:
+        """The packed per-row inputs of a denoise call with a ``width``-page table (see
+        :func:`dllm_jax.decode.step.denoise_packed`)."""
+        key = (width, penalties)
+        if key not in self._layouts:
+            B = self.block_size
+            fields = [("tokens", (B,), "int32"), ("immutable", (B,), "bool"), ("page_table", (width,), "int32"),
+                      *[(name, (), "int32") for name in ("prefix_len", "write_page", "steps_taken")],
+                      ("temperature", (), "float32"), ("top_k", (), "int32"), ("top_p", (), "float32"),
+                      ("seed", (), "uint32"), ("rng_step", (), "int32"), ("loop_cap", (), "int32"),
+                      *[(STATE_PREFIX + k, v.shape, v.dtype.name) for k, v in sorted(self._fresh_state.items())]]
+            if penalties:
+                fields += [(PENALTY_PREFIX + name, shape, dtype) for name, shape, dtype in (
+                    ("history", ((width + 1) * B,), "int32"), ("prompt_len", (), "int32"),
+                    ("presence", (), "float32"), ("frequency", (), "float32"), ("repetition", (), "float32"),
+                    ("min_new", (), "int32"), ("bias_ids", (MAX_LOGIT_BIAS,), "int32"),
+                    ("bias", (MAX_LOGIT_BIAS,), "float32"), ("stop_ids", (MAX_MIN_NEW_STOP_IDS,), "int32"),
+                    ("active", (), "bool"))]
+            self._layouts[key] = RowLayout(tuple(fields))
+        return self._layouts[key]
 
     def denoise_spec(self, sampling: bool, variant: int = 0) -> StepSpec:
         """The compiled step for a call: plain (greedy or sampling), or a variant (``VARIANT_*`` bits)."""
@@ -306,17 +326,8 @@ class ModelRunner:
         if kind == KIND_PREFILL:
             return {"tokens": np.zeros((rows, length), np.int32), "page_table": np.zeros((rows, width), np.int32),
                     "prefix_len": np.zeros((rows,), np.int32), "write": np.zeros((rows, length // B), np.int32)}
-        out = {"tokens": np.zeros((rows, B), np.int32), "immutable": np.zeros((rows, B), np.bool_),
-               "page_table": np.zeros((rows, width), np.int32), "prefix_len": np.zeros((rows,), np.int32),
-               "write_page": np.zeros((rows,), np.int32), "steps_taken": np.zeros((rows,), np.int32),
-               "temperature": np.zeros((rows,), np.float32), "top_k": np.zeros((rows,), np.int32),
-               "top_p": np.zeros((rows,), np.float32), "seed": np.zeros((rows,), np.uint32),
-               "rng_step": np.zeros((rows,), np.int32), "loop_cap": np.zeros((), np.int32)}
-        for k, v in self._fresh_state.items():
-            out[STATE_PREFIX + k] = np.zeros((rows,) + v.shape, v.dtype)
-        if variant & VARIANT_PENALTIES:
-            out.update({PENALTY_PREFIX + k: v for k, v in _penalty_arrays([], rows, (width + 1) * B).items()})
-        return out
+        layout = self.denoise_layout(width, bool(variant & VARIANT_PENALTIES))
+        return {"rows": np.zeros((rows, layout.width), np.int32)}
 
     def follow(self) -> int:
         """Follower loop (every process but the leader): run each call the leader sends until it stops.
@@ -326,13 +337,13 @@ class ModelRunner:
             header, arrays = self.channel.recv(self._template)
             if int(header[0]) == KIND_STOP:
                 return calls
-            self._execute_local(int(header[0]), arrays)
+            self._execute_local(int(header[0]), arrays, tuple(int(x) for x in header[1:]))
             calls += 1
 
-    def _execute_local(self, kind, arrays):
+    def _execute_local(self, kind, arrays, shape):
         channel, self.channel = self.channel, None
         try:
-            result = self._execute(kind, arrays)
+            result = self._execute(kind, arrays, shape)
             if result is not None:
                 jax.block_until_ready(result)
         finally:
@@ -385,7 +396,7 @@ class ModelRunner:
                                             sum(len(r.prefix_pages) for r in rows), 0, False,
                                             max_prefix_pages=max(len(r.prefix_pages) for r in rows)))
         return self._execute(KIND_PREFILL, {"tokens": tokens, "page_table": table, "prefix_len": prefix,
-                                            "write": write}, lower_only=lower_only)
+                                            "write": write}, (R, W, C * B), lower_only=lower_only)
 
     def denoise(self, rows: list[DecodeRow], loop_cap: int = 1, *, lower_only: bool = False):
         """One denoise call over ``rows``: one step, or (FDFO) up to ``loop_cap`` steps until the first row with
@@ -395,57 +406,54 @@ class ModelRunner:
         n = len(rows)
         R = pick_bucket(n, self.row_buckets)
         W = pick_bucket(max(1, max(len(r.prefix_pages) for r in rows)), self.width_buckets)
-        tokens = np.zeros((R, B), np.int32)
-        immutable = np.ones((R, B), np.bool_)
-        table = np.full((R, W), TRASH_PAGE, np.int32)
-        prefix = np.zeros((R,), np.int32)
-        write = np.full((R,), TRASH_PAGE, np.int32)
-        steps_taken = np.zeros((R,), np.int32)
-        temperature = np.zeros((R,), np.float32)
-        top_k = np.full((R,), -1, np.int32)
-        top_p = np.ones((R,), np.float32)
-        seed = np.zeros((R,), np.uint32)
-        rng_step = np.zeros((R,), np.int32)
-        state = {k: np.repeat(v[None], R, axis=0) for k, v in self._fresh_state.items()}
+        penalties = any(r.penalty is not None for r in rows)
+        packed, fields = self.denoise_layout(W, penalties).empty(R)
+        fields["immutable"][:] = 1  # padding rows: nothing to decode
+        fields["page_table"][:] = TRASH_PAGE
+        fields["write_page"][:] = TRASH_PAGE
+        fields["top_k"][:] = -1
+        fields["top_p"][:] = 1.0
+        fields["loop_cap"][:] = loop_cap
+        state = {k: fields[STATE_PREFIX + k] for k in self._fresh_state}
+        for k, v in self._fresh_state.items():
+            state[k][:] = v
         for i, r in enumerate(rows):
-            tokens[i] = r.tokens
-            immutable[i] = r.immutable
-            table[i, : len(r.prefix_pages)] = r.prefix_pages
-            prefix[i] = len(r.prefix_pages) * B
-            write[i] = r.write_page
-            steps_taken[i] = r.steps_taken
-            temperature[i] = r.temperature
-            top_k[i] = r.top_k
-            top_p[i] = r.top_p
-            seed[i] = r.seed
-            rng_step[i] = r.rng_step
+            fields["tokens"][i] = r.tokens
+            fields["immutable"][i] = r.immutable
+            fields["page_table"][i, : len(r.prefix_pages)] = r.prefix_pages
+            fields["prefix_len"][i] = len(r.prefix_pages) * B
+            fields["write_page"][i] = r.write_page
+            fields["steps_taken"][i] = r.steps_taken
+            fields["temperature"][i] = r.temperature
+            fields["top_k"][i] = r.top_k
+            fields["top_p"][i] = r.top_p
+            fields["seed"][i] = r.seed
+            fields["rng_step"][i] = r.rng_step
             if r.algo_state is not None:
                 for k, v in r.algo_state.items():
                     state[k][i] = v
-        arrays = {"tokens": tokens, "immutable": immutable, "page_table": table, "prefix_len": prefix,
-                  "write_page": write, "steps_taken": steps_taken, "temperature": temperature, "top_k": top_k,
-                  "top_p": top_p, "seed": seed, "rng_step": rng_step, "loop_cap": np.asarray(loop_cap, np.int32),
-                  **{STATE_PREFIX + k: v for k, v in state.items()}}
         variant = 0
-        if any(r.penalty is not None for r in rows):
+        if penalties:
             variant |= VARIANT_PENALTIES
-            arrays.update({PENALTY_PREFIX + k: v for k, v in _penalty_arrays(rows, R, (W + 1) * B).items()})
+            _fill_penalties(rows, {k[len(PENALTY_PREFIX):]: v for k, v in fields.items()
+                                   if k.startswith(PENALTY_PREFIX)})
         if any(r.logprobs >= 0 for r in rows):
             variant |= VARIANT_LOGPROBS | (VARIANT_TOP if any(r.logprobs > 0 for r in rows) else 0)
-        result = self._execute(KIND_DENOISE | (variant << 2), arrays, lower_only=lower_only)
+        result = self._execute(KIND_DENOISE | (variant << 2), {"rows": packed}, (R, W, B), lower_only=lower_only)
         if lower_only:
             return result
-        result = jax.device_get(result)  # the one host sync of this step
+        # The one host sync of this step. np.array, not jax.device_get: on XLA:CPU it reads the buffer directly
+        # (~1 us; device_get's asynchronous copy costs ~0.1 ms a call).
+        results, record = np.array(result[0]), jax.tree.map(np.asarray, result[1])
+        res = self._result_layout.unpack(results[:n])
         if self.call_log is not None:
-            sampled = bool(np.any((temperature > 0) & (top_k != 1)))
+            sampled = bool(np.any((fields["temperature"] > 0) & (fields["top_k"] != 1)))
             self.call_log.append(CallRecord("denoise", R, W, 1, n, n, sum(len(r.prefix_pages) for r in rows),
-                                            sum(r.refresh for r in rows), sampled, int(result.steps.max()),
+                                            sum(r.refresh for r in rows), sampled, int(res["steps"].max()),
                                             max(len(r.prefix_pages) for r in rows)))
-        states = [{k: v[i] for k, v in result.state.items()} for i in range(n)]
-        out = DecodeOutput(tokens=np.asarray(result.tokens[:n]), done=np.asarray(result.done[:n]),
-                           steps=np.asarray(result.steps[:n]), states=states,
-                           fresh_kv=np.asarray(result.fresh_kv[:n]))
-        record = result.logprobs
+        states = [{k: res[STATE_PREFIX + k][i] for k in self._fresh_state} for i in range(n)]
+        out = DecodeOutput(tokens=res["tokens"], done=res["done"], steps=res["steps"], states=states,
+                           fresh_kv=res["fresh_kv"])
         if record is not None:
             out.logprob, out.recorded = np.asarray(record.logprob[:n]), np.asarray(record.recorded[:n])
             if record.top_ids is not None:
@@ -522,15 +530,15 @@ class ModelRunner:
         return _STEP_COMPILES[0]
 
 
-def _penalty_arrays(rows: list[DecodeRow], R: int, history_len: int) -> dict[str, np.ndarray]:
-    """The :class:`~dllm_jax.decode.penalties.Penalties` tables of a call (neutral for rows without a penalty and
-    for padding rows). The history is as wide as the page-table bucket allows (prefix pages plus the block), the
-    bias and stop tables have the fixed widths the sampling params are validated against: no new shapes."""
-    out = {"history": np.full((R, history_len), -1, np.int32), "prompt_len": np.zeros((R,), np.int32),
-           "presence": np.zeros((R,), np.float32), "frequency": np.zeros((R,), np.float32),
-           "repetition": np.ones((R,), np.float32), "min_new": np.zeros((R,), np.int32),
-           "bias_ids": np.full((R, MAX_LOGIT_BIAS), -1, np.int32), "bias": np.zeros((R, MAX_LOGIT_BIAS), np.float32),
-           "stop_ids": np.full((R, MAX_MIN_NEW_STOP_IDS), -1, np.int32), "active": np.zeros((R,), np.bool_)}
+def _fill_penalties(rows: list[DecodeRow], out: dict[str, np.ndarray]) -> None:
+    """Write the :class:`~dllm_jax.decode.penalties.Penalties` tables of a call into ``out`` (zeroed views: every
+    row starts neutral, as rows without a penalty and padding rows stay). The history is as wide as the page-table
+    bucket allows (prefix pages plus the block), the bias and stop tables have the fixed widths the sampling params
+    are validated against: no new shapes."""
+    history_len = out["history"].shape[1]
+    for name in ("history", "bias_ids", "stop_ids"):
+        out[name][:] = -1
+    out["repetition"][:] = 1.0
     for i, r in enumerate(rows):
         p = r.penalty
         if p is None:
@@ -547,4 +555,3 @@ def _penalty_arrays(rows: list[DecodeRow], R: int, history_len: int) -> dict[str
             out["bias"][i, :len(p.bias)] = [b for _, b in p.bias]
         out["stop_ids"][i, :len(p.stop_ids)] = p.stop_ids
         out["active"][i] = bool(p.presence or p.frequency or p.repetition != 1.0 or p.min_new or p.bias)
-    return out
