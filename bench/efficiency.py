@@ -55,11 +55,10 @@ class BareForward:
             kv, out = forward(params, kv, tokens, table, prefix, write, select)
             return kv, (out[1][:, 0] + out[0][:, 0] if select else out[:, 0, 0])
 
-        @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("select", "loops"))
-        def bare(params, kv, tokens, table, prefix, write, *, select, loops):
+        @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("select",))
+        def bare(params, kv, tokens, table, prefix, write, loops, *, select):
+            """``loops`` forwards back to back (traced: one executable per bucket serves every count)."""
             kv, out = once(params, kv, tokens, table, prefix, write, select)
-            if loops == 1:
-                return kv, out
 
             def body(_, carry):  # each forward reads the K/V the previous one wrote: nothing is hoisted
                 kv, acc = carry
@@ -68,20 +67,7 @@ class BareForward:
 
             return jax.lax.fori_loop(1, loops, body, (kv, out))
 
-        @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("select",))
-        def bare_n(params, kv, tokens, table, prefix, write, loops, *, select):
-            """``bare`` with a traced loop count: one executable per bucket serves every count (replay)."""
-            kv, out = once(params, kv, tokens, table, prefix, write, select)
-
-            def body(_, carry):
-                kv, acc = carry
-                kv, out = once(params, kv, tokens, table, prefix, write, select)
-                return kv, acc + out
-
-            return jax.lax.fori_loop(1, loops, body, (kv, out))
-
         self._bare = bare
-        self._bare_n = bare_n
         self._memo: dict[tuple, float] = {}
 
     LOOPS = 8  # forwards of the looped bare call that the per-forward cost is fitted from
@@ -135,7 +121,7 @@ class BareForward:
         plan = []
         for c in calls:
             live = self.live_pages(c.rows, c.width, c.blocks, c.max_prefix_pages)
-            run = functools.partial(self._bare_n, select=c.kind == "denoise")
+            run = functools.partial(self._bare, select=c.kind == "denoise")
             args = (*self._inputs(c.rows, c.width, c.blocks, live), np.int32(max(1, c.iterations)))
             plan.append((run, jax.device_put(args)))
 
@@ -154,7 +140,7 @@ class BareForward:
 
         tokens, table, prefix, write = self._inputs(rows, width, blocks, live)
         select = kind == "denoise"
-        run = functools.partial(self._bare, select=select, loops=loops)
+        run = functools.partial(self._bare, loops=np.int32(loops), select=select)
         self.pool, out = run(self.runner.params, self.pool, tokens, table, prefix, write)
         jax.block_until_ready(out)  # compile + first run
         t0 = time.perf_counter()

@@ -13,6 +13,7 @@ static argument and unpacks with slices that XLA fuses away.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -33,25 +34,26 @@ class RowLayout:
             if dtype not in _DTYPES:
                 raise ValueError(f"field {name!r}: dtype {dtype} cannot be packed (one of {_DTYPES})")
 
-    @property
+    @functools.cached_property
+    def _columns(self) -> dict[str, tuple[tuple[int, ...], str, int, int]]:
+        """name -> (shape, dtype, first column, end column); computed once per layout (the runner keeps one per
+        bucket), since every call reads it."""
+        out, start = {}, 0
+        for name, shape, dtype in self.fields:
+            stop = start + math.prod(shape)
+            out[name] = (shape, dtype, start, stop)
+            start = stop
+        return out
+
+    @functools.cached_property
     def width(self) -> int:
         return sum(math.prod(shape) for _, shape, _ in self.fields)
 
-    def _columns(self):
-        start = 0
-        for name, shape, dtype in self.fields:
-            stop = start + math.prod(shape)
-            yield name, shape, dtype, start, stop
-            start = stop
-
     def view(self, packed: np.ndarray, name: str) -> np.ndarray:
         """One field of :meth:`views`."""
-        rows = packed.shape[0]
-        for field, shape, dtype, start, stop in self._columns():
-            if field == name:
-                column = packed[:, start] if shape == () else packed[:, start:stop].reshape((rows, *shape))
-                return column.view(dtype) if dtype in ("uint32", "float32") else column
-        raise KeyError(name)
+        shape, dtype, start, stop = self._columns[name]
+        column = packed[:, start] if shape == () else packed[:, start:stop].reshape((packed.shape[0], *shape))
+        return column.view(dtype) if dtype in ("uint32", "float32") else column
 
     def views(self, packed: np.ndarray) -> dict[str, np.ndarray]:
         """Writable views into a host array ``int32 [R, width]``, one per field shaped ``[R, *shape]``: 32-bit
@@ -68,7 +70,7 @@ class RowLayout:
         on_host = isinstance(packed, np.ndarray)
         rows = packed.shape[0]
         out = {}
-        for name, shape, dtype, start, stop in self._columns():
+        for name, (shape, dtype, start, stop) in self._columns.items():
             x = packed[:, start:stop].reshape((rows, *shape))
             if dtype == "bool":
                 x = x != 0
@@ -80,7 +82,7 @@ class RowLayout:
     def pack(self, arrays: dict) -> jax.Array:
         """Inside a jitted function: ``arrays`` (every field, ``[R, *shape]`` each) as one ``int32 [R, width]``."""
         cols = []
-        for name, shape, dtype, _, _ in self._columns():
+        for name, (shape, dtype, _, _) in self._columns.items():
             x = arrays[name]
             if x.shape[1:] != shape or x.dtype != jnp.dtype(dtype):
                 raise ValueError(f"field {name!r}: expected {dtype}{list(shape)} per row, "
