@@ -37,12 +37,23 @@ def confidence_stats_reference(hidden, lm_head, *, exclude_token_id=None):
 
 def confidence_stats_from_logits(logits, *, exclude_token_id=None):
     logits = logits.astype(jnp.float32)
+    vocab = lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     if exclude_token_id is not None:
-        logits = logits.at[..., exclude_token_id].set(-jnp.inf)
+        logits = jnp.where(vocab == exclude_token_id, -jnp.inf, logits)
     top = jnp.max(logits, axis=-1)
-    arg = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    arg = first_index_of_max(logits, top, vocab)
     lse = top + jnp.log(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1))
     return arg, jnp.exp(top - lse), lse
+
+
+def first_index_of_max(logits, top, vocab):
+    """``jnp.argmax(logits, -1)`` given ``top = max(logits, -1)``: the lowest index attaining the max (in a row
+    with a NaN, the first NaN, as in ``jnp.argmax``). Plain reductions instead of argmax's (value, index) pair
+    reduction, which XLA:CPU runs several times slower (~60 us of a ~0.6 ms step of the shipped model, whose
+    32 x 768 logits it scans)."""
+    nan = jnp.isnan(logits)
+    is_top = jnp.where(jnp.any(nan, axis=-1, keepdims=True), nan, logits == top[..., None])
+    return jnp.min(jnp.where(is_top, vocab, logits.shape[-1]), axis=-1).astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------------------------

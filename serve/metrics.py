@@ -43,6 +43,7 @@ class EngineCollector:
         ("prefill_forwards", "prefill_forwards", "Prefill forward passes"),
         ("denoise_forwards", "denoise_forwards", "Denoise forward passes (batched; a sync call counts its steps)"),
         ("denoise_calls", "denoise_calls", "Denoise calls (one per scheduler round with decoding rows)"),
+        ("chained_blocks", "chained_blocks", "Blocks a request went on from inside a denoise call (FDFO chaining)"),
         ("retractions", "retractions", "Requests retracted under KV memory pressure"),
     )
     GAUGES = (

@@ -101,7 +101,7 @@ class Server:
             try:
                 reqs.append(self.engine.make_request(ids, params, rid=rid or uuid.uuid4().hex,
                                                      on_event=batch.on_event_for(i), field=field,
-                                                     provisional=provisional))
+                                                     provisional=provisional, stream=stream))
             except ValueError as e:
                 raise bad_request(str(e), renames) from None
         if self.inflight + n > self.capacity:

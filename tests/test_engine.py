@@ -109,7 +109,7 @@ def test_fdfo_call_runs_steps_until_its_first_row_is_done(tiny_model, make_engin
     """FDFO loops on the device until the first row with something to decode is done: one request takes one
     denoise call per block; a batch takes fewer calls than steps; the decisions are the reference's either way
     and the forwards the same as one step per call (``max_steps_per_call=1``)."""
-    looped = make_engine(tiny_model, **ENGINE_KW)
+    looped = make_engine(tiny_model, chain_blocks=0, **ENGINE_KW)
     stepped = make_engine(tiny_model, max_steps_per_call=1, **ENGINE_KW)
     prompt = PROMPTS[0]  # 6 tokens: the prompt's tail block, then whole blocks
     a = looped.generate(input_ids=prompt, sampling_params=GREEDY)
@@ -122,6 +122,57 @@ def test_fdfo_call_runs_steps_until_its_first_row_is_done(tiny_model, make_engin
     calls = looped.scheduler.stats["denoise_calls"]
     _verified(tiny_oracle, _outs(looped))
     assert looped.scheduler.stats["denoise_calls"] - calls < looped.scheduler.stats["denoise_forwards"] - blocks
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_chained_blocks_are_the_blocks_of_one_call_each(tiny_model, make_engine, tiny_oracle, fold):
+    """FDFO block chaining: a request that nothing waits on goes on into its next blocks inside one device call.
+    Same tokens and forwards as one block per call (greedy, seeded sampling, EOS and stop ids mid-block,
+    max_new_tokens mid-block, the context length), fewer calls; a chain longer than its width resumes in the next
+    call; every page comes back (the pages reserved for blocks a call did not start included)."""
+    kw = dict(ENGINE_KW, fold_commit_forward=fold)
+    chained = make_engine(tiny_model, chain_blocks=2, **kw)
+    plain = make_engine(tiny_model, chain_blocks=0, **kw)
+    sampled = {"max_new_tokens": 14, "ignore_eos": True, "temperature": 1.3, "seed": 11}
+    ref = [e.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["output_ids"] for e in (chained, plain)][1]
+    cases = [(p, GREEDY) for p in PROMPTS[:3]] + [
+        (PROMPTS[4], sampled), (PROMPTS[0], {"max_new_tokens": 9, "ignore_eos": True}),
+        (PROMPTS[0], {"max_new_tokens": 14, "stop_token_ids": [ref[9]]}),
+        (PROMPTS[4], {"max_new_tokens": 60, "ignore_eos": True})]  # runs into the context length (64)
+    for prompt, params in cases:
+        calls = [e.scheduler.stats["denoise_calls"] for e in (chained, plain)]
+        links = chained.scheduler.stats["chained_blocks"]
+        a = chained.generate(input_ids=prompt, sampling_params=params)
+        b = plain.generate(input_ids=prompt, sampling_params=params)
+        assert a["output_ids"] == b["output_ids"], params
+        assert a["meta_info"]["finish_reason"] == b["meta_info"]["finish_reason"]
+        chained_calls = chained.scheduler.stats["denoise_calls"] - calls[0]
+        plain_calls = plain.scheduler.stats["denoise_calls"] - calls[1]
+        # With folding, a block the request goes on from takes the exact-KV forward that folding would save.
+        links = chained.scheduler.stats["chained_blocks"] - links
+        assert plain.scheduler.stats["chained_blocks"] == 0 and (links > 0) == (chained_calls < plain_calls)
+        extra = links if fold else 0
+        assert a["meta_info"]["forward_passes"] == b["meta_info"]["forward_passes"] + extra, params
+        if len(b["output_ids"]) > 8:  # three blocks or more: at least one chained
+            assert chained_calls < plain_calls, params
+        assert links <= 2 * chained_calls  # at most 2 blocks further per call
+        chained.scheduler.check_pages()
+    assert a["meta_info"]["finish_reason"]["type"] == "length" and len(a["output_ids"]) == 64 - 28
+    _verified(tiny_oracle, [o["output_ids"] for o in chained.generate(input_ids=[PROMPTS[0]] * 2,
+                                                                       sampling_params=GREEDY)],
+              [PROMPTS[0]] * 2)
+
+
+def test_streamed_requests_do_not_chain(tiny_model, make_engine):
+    """A streamed request gets each block as it is committed, so it runs one block per call; a plain request of
+    the same prompt chains."""
+    engine = make_engine(tiny_model, **ENGINE_KW)
+    calls = engine.scheduler.stats["denoise_calls"]
+    chunks = list(engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, stream=True))
+    streamed = engine.scheduler.stats["denoise_calls"] - calls
+    assert streamed == len(chunks)
+    engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+    assert engine.scheduler.stats["denoise_calls"] - calls - streamed < streamed
 
 
 def test_cached_tokens_first_match_and_never_negative(tiny_model, make_engine):

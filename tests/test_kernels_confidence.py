@@ -63,6 +63,28 @@ def test_excluded_argmax_and_ties_break_low():
     assert int(out_x[0][0]) != excl and not np.any(np.asarray(out_x[0]) == excl)
 
 
+def test_reference_argmax_is_jnp_argmax():
+    """The reference finds the argmax with two plain reductions (faster on XLA:CPU than argmax's pair reduction):
+    it must be ``jnp.argmax`` exactly: ties to the lowest id, an all -inf row, a NaN anywhere, the excluded id."""
+    from pallas_kernels.confidence import confidence_stats_from_logits
+
+    rng = np.random.default_rng(3)
+    logits = rng.integers(-2, 3, (64, 300)).astype(np.float32)  # many tied maxima
+    logits[1] = -np.inf
+    logits[2, [5, 200]] = np.nan
+    logits[3, 7] = np.nan
+    logits[4, :] = 2.0
+    logits[5, 0] = np.inf
+    logits[6, [3, 9]] = np.inf
+    for exclude in (None, 0, 3, 299):
+        arg, _, _ = jax.jit(confidence_stats_from_logits, static_argnames="exclude_token_id")(
+            jnp.asarray(logits), exclude_token_id=exclude)
+        masked = logits.copy()
+        if exclude is not None:
+            masked[:, exclude] = -np.inf
+        np.testing.assert_array_equal(np.asarray(arg), np.asarray(jnp.argmax(jnp.asarray(masked), axis=-1)))
+
+
 def test_bf16():
     hidden, head = _data(8, 32, 500, seed=2, dtype=jnp.bfloat16)
     out = confidence_stats(hidden, head, exclude_token_id=7, interpret=True, vocab_splits=2)

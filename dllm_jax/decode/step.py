@@ -66,6 +66,11 @@ class StepSpec:
     penalties: bool = False  # the batch carries Penalties (some row has a penalty or bias)
     logprobs: bool = False  # record the log probability of every token a step writes
     top_logprobs: int = 0  # and the k most likely alternatives of that forward (0: none)
+    # FDFO block chaining: a row whose block is done, with no stop token in it, starts its next block on the device
+    # in the same call (up to ``batch.chain_left`` of them, in the pages ``batch.chain_pages`` the host reserved),
+    # so a request that nothing else waits on writes several blocks per host round trip. The width of the chain
+    # tables (0: no chaining; the synchronous schedule never chains).
+    chain: int = 0
 
     @property
     def needs_logits(self) -> bool:
@@ -97,6 +102,11 @@ class DenoiseBatch:
     rng_step: jax.Array  # [R] int32: position of this step in the request's generation (folded into the key)
     penalties: Penalties | None = None  # only in the penalties variant
     loop_cap: jax.Array | None = None  # [] int32: most steps of a ``first_done`` call
+    # With ``spec.chain``: pages for the row's next blocks, how many of them it may start, and the token ids that
+    # end its generation (-1 padded): a block holding one of them is the row's last.
+    chain_pages: jax.Array | None = None  # [R, C] int32
+    chain_left: jax.Array | None = None  # [R] int32
+    stop_ids: jax.Array | None = None  # [R, S] int32
 
 
 @jax.tree_util.register_dataclass
@@ -108,6 +118,15 @@ class DenoiseResult:
     state: State
     fresh_kv: jax.Array  # [R] bool: the block's page holds the KV of its final tokens (else: refresh it)
     logprobs: lp.LogprobRecord | None = None  # only in the logprobs variant
+    # With ``spec.chain``: the blocks a row completed and chained past in this call, oldest first (``tokens``,
+    # ``steps`` and the rest describe the row's block after them).
+    chain_blocks: jax.Array | None = None  # [R] int32
+    chain_tokens: jax.Array | None = None  # [R, C, B]
+    chain_steps: jax.Array | None = None  # [R, C] int32: forwards each of those blocks took in this call
+
+
+RNG_STEPS_PER_BLOCK = 4096  # a step's sampling key folds in block index x this + step in block (see the scheduler)
+CHAIN_STOP_IDS = 8  # width of the stop-id table of a chaining row (a request with more stop ids does not chain)
 
 
 def _model_forward(params, kv_pages, tokens, page_table, prefix_len, write_pages, spec: StepSpec):
@@ -261,7 +280,9 @@ def _one_step(params, kv_pages, batch: DenoiseBatch, tokens, state, steps_taken,
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("kv_pages",))
 def denoise(params, kv_pages, batch: DenoiseBatch, state: State, *, spec: StepSpec):
     """One denoise step, the steps until the first row is done (``spec.first_done``, FDFO) or the whole block loop
-    (``spec.loop``, synchronous). Returns (kv_pages, result).
+    (``spec.loop``, synchronous). Returns (kv_pages, result). With ``spec.chain`` (FDFO) a row that is done may go
+    on into its next block instead (see :func:`_start_next_blocks`); the call then ends when the first row is done
+    and cannot go on.
 
     With ``spec.logprobs`` the result's record holds, per position, the figures of the step that last wrote it
     during this call (the synchronous loop carries them, so each committed position keeps the forward in which it
@@ -273,36 +294,94 @@ def denoise(params, kv_pages, batch: DenoiseBatch, state: State, *, spec: StepSp
                                        state=state, fresh_kv=fresh, logprobs=record)
 
     live = ~jnp.all(batch.immutable, axis=-1)  # rows with something to decode (not padding, not refresh rows)
+    chain = spec.chain if spec.first_done else 0
+    max_iterations = spec.max_steps * (chain + 1)
 
-    def cond(carry):
-        _, _, done, _, _, _, it, _ = carry
+    def cond(c):
+        done, it = c["done"], c["it"]
         if spec.first_done:
-            return (it < jnp.minimum(spec.max_steps, batch.loop_cap)) & ~jnp.any(done & live) & ~jnp.all(done)
+            return (it < jnp.minimum(max_iterations, batch.loop_cap)) & ~jnp.any(done & live) & ~jnp.all(done)
         return (it < spec.max_steps) & ~jnp.all(done)
 
-    def body(carry):
-        kv, tokens, done, fresh, state, steps, it, record = carry
+    def body(c):
+        # The row's current block: the call's own, or (chaining) a later one started on the device.
+        row = dataclasses.replace(batch, tokens=c["tokens"], **{k: c[k] for k in _ROW_FIELDS if k in c})
         kv, new_tokens, new_done, new_fresh, new_state, new_record = _one_step(
-            params, kv, batch, tokens, state, batch.steps_taken + steps, spec)
+            params, c["kv"], row, c["tokens"], c["state"], row.steps_taken + c["steps"], spec)
+        done = c["done"]
+        if chain:  # a row that will start another block does not fold: it runs the forward writing its exact KV
+            chains = (c["chain_used"] < batch.chain_left) & ~_stop_hit(new_tokens, row, batch)
+            new_done = new_done & (new_fresh | ~chains)
         # Rows already done ride along unchanged. Their page is rewritten: from identical tokens, so a row whose
         # KV was fresh stays fresh; a folded row (done, KV not yet fresh) becomes fresh if any later iteration ran.
         keep = done[:, None]
-        tokens = jnp.where(keep, tokens, new_tokens)
-        state = jax.tree.map(lambda old, new: jnp.where(done.reshape((-1,) + (1,) * (old.ndim - 1)), old, new),
-                             state, new_state)
-        if record is not None:
-            record = lp.merge(record, new_record, keep)
-        fresh = jnp.where(done, True, new_fresh)
-        steps = steps + (~done).astype(jnp.int32)
-        return kv, tokens, done | new_done, fresh, state, steps, it + 1, record
+        out = dict(c, kv=kv, it=c["it"] + 1, tokens=jnp.where(keep, c["tokens"], new_tokens),
+                   state=_where_rows(done, c["state"], new_state), fresh=jnp.where(done, True, new_fresh),
+                   steps=c["steps"] + (~done).astype(jnp.int32), done=done | new_done)
+        if c["record"] is not None:
+            out["record"] = lp.merge(c["record"], new_record, keep)
+        if chain:
+            out = _start_next_blocks(out, row, go=new_done & ~done & live & out["fresh"] & chains, batch=batch,
+                                     spec=spec)
+        return out
 
     zeros = jnp.zeros_like(batch.steps_taken)
     no = jnp.zeros(batch.tokens.shape[:1], jnp.bool_)
     record = lp.empty_record(*batch.tokens.shape, spec.top_logprobs) if spec.logprobs else None
-    init = (kv_pages, batch.tokens, no, no, state, zeros, jnp.int32(0), record)
-    kv_pages, tokens, done, fresh, state, steps, _, record = jax.lax.while_loop(cond, body, init)
-    return kv_pages, DenoiseResult(tokens=tokens, done=done, steps=steps, state=state, fresh_kv=fresh,
-                                   logprobs=record)
+    init = dict(kv=kv_pages, tokens=batch.tokens, done=no, fresh=no, state=state, steps=zeros, it=jnp.int32(0),
+                record=record)
+    if chain:
+        rows, block = batch.tokens.shape
+        init.update({k: getattr(batch, k) for k in _ROW_FIELDS}, chain_used=zeros,
+                    chain_tokens=jnp.full((rows, chain, block), spec.mask_id, jnp.int32),
+                    chain_steps=jnp.zeros((rows, chain), jnp.int32))
+    c = jax.lax.while_loop(cond, body, init)
+    result = DenoiseResult(tokens=c["tokens"], done=c["done"], steps=c["steps"], state=c["state"],
+                           fresh_kv=c["fresh"], logprobs=c["record"])
+    if chain:
+        result.chain_blocks, result.chain_tokens, result.chain_steps = (c["chain_used"], c["chain_tokens"],
+                                                                        c["chain_steps"])
+    return c["kv"], result
+
+
+# The per-row batch fields that change when a row starts its next block on the device.
+_ROW_FIELDS = ("immutable", "page_table", "prefix_len", "write_page", "steps_taken", "rng_step")
+
+
+def _where_rows(rows, old: State, new: State) -> State:
+    """Per row: ``old`` where ``rows``, else ``new`` (algorithm states: leaves ``[R, ...]``)."""
+    return jax.tree.map(lambda o, n: jnp.where(rows.reshape((-1,) + (1,) * (o.ndim - 1)), o, n), old, new)
+
+
+def _stop_hit(tokens, row: DenoiseBatch, batch: DenoiseBatch):
+    """[R] bool: the row generated one of its stop ids in this block (its generation ends with the block)."""
+    hit = jnp.any(tokens[:, :, None] == batch.stop_ids[:, None, :], axis=-1)
+    return jnp.any(hit & ~row.immutable, axis=-1)
+
+
+def _start_next_blocks(c: dict, row: DenoiseBatch, *, go, batch: DenoiseBatch, spec: StepSpec) -> dict:
+    """Chaining: every row in ``go`` (it finished its block in this iteration, with its KV exact, no stop id among
+    the tokens it generated and a reserved page left) files the block in ``chain_tokens`` and starts the next one,
+    exactly as the host would: the finished page joins the row's prefix, the next reserved page takes the block's
+    K/V, all positions masks, fresh algorithm state, and the sampling key of that block's first step."""
+    rows, block = c["tokens"].shape
+    used = c["chain_used"]
+    slot = (jnp.arange(spec.chain)[None, :] == used[:, None]) & go[:, None]  # [R, C]: where the block is filed
+    page_slot = (jnp.arange(row.page_table.shape[1])[None, :] == (row.prefix_len // block)[:, None]) & go[:, None]
+    next_page = jnp.take_along_axis(batch.chain_pages, jnp.minimum(used, spec.chain - 1)[:, None], axis=1)[:, 0]
+    prefix_len = jnp.where(go, row.prefix_len + block, row.prefix_len)
+    fresh_state = spec.algorithm.init_state(rows, block)
+    return dict(c, chain_tokens=jnp.where(slot[:, :, None], c["tokens"][:, None, :], c["chain_tokens"]),
+                chain_steps=jnp.where(slot, c["steps"][:, None], c["chain_steps"]),
+                chain_used=used + go.astype(jnp.int32),
+                page_table=jnp.where(page_slot, row.write_page[:, None], row.page_table),
+                prefix_len=prefix_len, write_page=jnp.where(go, next_page, row.write_page),
+                tokens=jnp.where(go[:, None], spec.mask_id, c["tokens"]),
+                immutable=row.immutable & ~go[:, None],
+                state=_where_rows(go, fresh_state, c["state"]) if c["state"] else c["state"],
+                steps=jnp.where(go, 0, c["steps"]), steps_taken=jnp.where(go, 0, row.steps_taken),
+                rng_step=jnp.where(go, prefix_len // block * RNG_STEPS_PER_BLOCK, row.rng_step),
+                done=c["done"] & ~go, fresh=c["fresh"] & ~go)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -313,13 +392,16 @@ STATE_PREFIX = "state."  # packed field names of the algorithm state's leaves
 PENALTY_PREFIX = "penalties."  # and of the Penalties tables
 
 
-def result_layout(block_size: int, state_row: dict) -> RowLayout:
+def result_layout(block_size: int, state_row: dict, chain: int = 0) -> RowLayout:
     """The per-row results of :func:`denoise_packed`: tokens, done, steps, fresh_kv, then the algorithm state's
-    leaves by name (``state_row``: one row of each leaf, e.g. ``algorithm.init_state(1, B)`` without its row)."""
+    leaves by name (``state_row``: one row of each leaf, e.g. ``algorithm.init_state(1, B)`` without its row), then
+    with ``chain`` the chained blocks (``chain_blocks``, ``chain_tokens``, ``chain_steps``)."""
+    chained = (("chain_blocks", (), "int32"), ("chain_tokens", (chain, block_size), "int32"),
+               ("chain_steps", (chain,), "int32")) if chain else ()
     return RowLayout((("tokens", (block_size,), "int32"), ("done", (), "bool"), ("steps", (), "int32"),
                       ("fresh_kv", (), "bool"))
                      + tuple((STATE_PREFIX + k, tuple(v.shape), np.dtype(v.dtype).name)
-                             for k, v in sorted(state_row.items())))
+                             for k, v in sorted(state_row.items())) + chained)
 
 
 def _unpack_call(fields: dict) -> tuple[DenoiseBatch, State]:
@@ -328,7 +410,7 @@ def _unpack_call(fields: dict) -> tuple[DenoiseBatch, State]:
     if any(k.startswith(PENALTY_PREFIX) for k in fields):
         penalties = Penalties(**{f.name: fields[PENALTY_PREFIX + f.name] for f in dataclasses.fields(Penalties)})
     batch = DenoiseBatch(**{f.name: fields[f.name] for f in dataclasses.fields(DenoiseBatch)
-                            if f.name not in ("penalties", "loop_cap")},
+                            if f.name in fields and f.name != "loop_cap"},
                          penalties=penalties, loop_cap=fields["loop_cap"][0])
     return batch, state
 
@@ -336,15 +418,19 @@ def _unpack_call(fields: dict) -> tuple[DenoiseBatch, State]:
 @functools.partial(jax.jit, static_argnames=("spec", "layout"), donate_argnames=("kv_pages",))
 def denoise_packed(params, kv_pages, packed, *, spec: StepSpec, layout: RowLayout):
     """:func:`denoise` as the engine calls it: every per-row input in ``packed`` (``int32 [R, layout.width]``: the
-    :class:`DenoiseBatch` fields by name, ``loop_cap`` in every row, ``state.*`` and with penalties
-    ``penalties.*``), every per-row result packed by :func:`result_layout`. Returns ``(kv_pages, packed results,
-    logprobs record or None)``: one array to the device and one back per call."""
+    :class:`DenoiseBatch` fields by name, ``loop_cap`` in every row, ``state.*``, with penalties ``penalties.*``
+    and with chaining ``chain_pages``, ``chain_left``, ``stop_ids``), every per-row result packed by
+    :func:`result_layout`. Returns ``(kv_pages, packed results, logprobs record or None)``: one array to the device
+    and one back per call."""
     batch, state = _unpack_call(layout.unpack(packed))
     kv_pages, result = denoise(params, kv_pages, batch, state, spec=spec)
     out = {"tokens": result.tokens, "done": result.done, "steps": result.steps, "fresh_kv": result.fresh_kv,
            **{STATE_PREFIX + k: v for k, v in result.state.items()}}
+    chain = spec.chain if spec.first_done else 0
+    if chain:
+        out.update(chain_blocks=result.chain_blocks, chain_tokens=result.chain_tokens, chain_steps=result.chain_steps)
     state_row = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in result.state.items()}
-    return kv_pages, result_layout(spec.block_size, state_row).pack(out), result.logprobs
+    return kv_pages, result_layout(spec.block_size, state_row, chain).pack(out), result.logprobs
 
 
 def init_kv_pages(cfg: ModelConfig, num_pages: int, block_size: int, dtype=jnp.float32) -> list[Any]:

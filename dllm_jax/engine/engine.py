@@ -40,6 +40,7 @@ log = logging.getLogger("dllm_jax")
 
 SCHEDULES = ("fdfo", "sync")
 DEFAULT_MAX_RUNNING_REQUESTS = 32
+DEFAULT_CHAIN_BLOCKS = 4  # FDFO: blocks a request may go on into inside one device call (see Engine)
 
 
 def default_model_path() -> str:
@@ -83,7 +84,13 @@ class Engine:
     :class:`dllm_jax.engine.runner.ShapeBuckets`), ``max_steps_per_call`` (FDFO: the most denoise steps one
     device call runs while its batch stays the same; the call ends anyway when the first row is done, and runs a
     single step whenever a request could join, one is still prefilling or a row streams provisional blocks;
-    default None: no further limit; 1: one step per round, as SGLang).
+    default None: no further limit; 1: one step per round, as SGLang), ``chain_blocks`` (FDFO: when no request
+    waits to join, a request whose block is done goes on into its next block inside the same device call, up to
+    this many blocks further, as long as no stop token ended it; fewer host round trips per request, the same
+    tokens; streamed requests and those with stop strings, log probabilities or penalties never chain, since
+    the host must see each of their blocks; the synchronous schedule never chains; default None: 4 where the
+    commit forward is not folded, 0 where it is, since a block a request goes on from needs the exact-KV forward
+    that folding saves; 0: off).
     """
 
     def __init__(self, model_path: str | None = None, *, block_size: int | None = None,
@@ -98,7 +105,7 @@ class Engine:
                  sampling_defaults: str = "model",
                  fold_commit_forward: bool | None = None, channel=None, compilation_cache: str | None = None,
                  progress: bool | None = None, shape_buckets: dict | None = None,
-                 max_steps_per_call: int | None = None):
+                 max_steps_per_call: int | None = None, chain_blocks: int | None = None):
         from dllm_jax.model.loader import load_model
 
         if schedule not in SCHEDULES:
@@ -107,6 +114,9 @@ class Engine:
             raise ValueError(f"max_running_requests: must be an integer >= 1, got {max_running_requests!r}")
         if max_steps_per_call is not None and (not isinstance(max_steps_per_call, int) or max_steps_per_call < 1):
             raise ValueError(f"max_steps_per_call: must be an integer >= 1 or None, got {max_steps_per_call!r}")
+        if chain_blocks is not None and (not isinstance(chain_blocks, int) or isinstance(chain_blocks, bool)
+                                         or not 0 <= chain_blocks <= 64):
+            raise ValueError(f"chain_blocks: must be an integer from 0 to 64 or None, got {chain_blocks!r}")
         for name, value in (("tensor_parallel_size", tensor_parallel_size),
                             ("expert_parallel_size", expert_parallel_size)):
             if not isinstance(value, int) or value < 1:
@@ -169,14 +179,15 @@ class Engine:
             from dllm_jax.distributed import default_channel
 
             channel = default_channel()
+        fold = jax.default_backend() != "cpu" if fold_commit_forward is None else bool(fold_commit_forward)
         self.runner = ModelRunner(
             loaded.params, cfg, block_size=B, mask_id=self.mask_token_id, algorithm=self.algorithm,
             num_pages=num_kv_pages, max_rows=max_running_requests, max_pages_per_row=pages_per_row,
             max_prefill_blocks=max(1, min(max_prefill_tokens // B, pages_per_row)), loop=schedule == "sync",
             attention_backend=self.attention_backend, confidence_backend=self.confidence_backend,
             kv_dtype=kv_storage_dtype(dtype), mesh=mesh, channel=channel,
-            fold_commit=jax.default_backend() != "cpu" if fold_commit_forward is None else bool(fold_commit_forward),
-            shape_buckets=shape_buckets)
+            fold_commit=fold, shape_buckets=shape_buckets,
+            chain_blocks=(0 if fold else DEFAULT_CHAIN_BLOCKS) if chain_blocks is None else chain_blocks)
         self.allocator = PageAllocator(num_kv_pages)
         self.radix = BlockRadixIndex(B, self.allocator, enabled=enable_prefix_cache)
         self.scheduler = Scheduler(
@@ -222,6 +233,7 @@ class Engine:
             "algorithm_config": dict(vars(self.algorithm.config)),
             "schedule": self.schedule,
             "fold_commit_forward": self.runner.greedy_spec.fold_commit,
+            "chain_blocks": self.runner.chain,
             "enable_prefix_cache": self.enable_prefix_cache,
             "max_running_requests": self.max_running_requests,
             "num_kv_pages": self.num_kv_pages,
@@ -272,7 +284,7 @@ class Engine:
     # ------------------------------------------------------------------------------------------
     def make_request(self, input_ids: list[int], sampling_params: dict | SamplingParams | None = None, *,
                      rid: str | None = None, on_event: Callable | None = None,
-                     field: str = "input_ids", provisional: bool = False) -> Request:
+                     field: str = "input_ids", provisional: bool = False, stream: bool = False) -> Request:
         """Validate one request (ValueError naming the field on bad input) and build it; does not enqueue."""
         params = SamplingParams.from_dict(self._with_defaults(sampling_params), vocab_size=self.config.vocab_size)
         if not isinstance(input_ids, (list, tuple)) or not all(_is_int(t) for t in input_ids):
@@ -289,7 +301,7 @@ class Engine:
             raise ValueError("sampling_params.stop: stop strings need a tokenizer; this model has none")
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2 ** 32))
         return Request(rid=rid or uuid.uuid4().hex, prompt_ids=[int(t) for t in input_ids], params=params,
-                       seed=seed, on_event=on_event, provisional=provisional)
+                       seed=seed, on_event=on_event, provisional=provisional, stream=stream or provisional)
 
     def _with_defaults(self, params):
         """A request's sampling params over the model's defaults (generation_config.json): a key the request leaves
@@ -569,7 +581,7 @@ class Engine:
 
     def _stream(self, ids, params, rid, provisional: bool = False) -> Iterator[dict]:
         sink = ChunkSink(self)
-        req = self.make_request(ids, params, rid=rid, on_event=sink, provisional=provisional)
+        req = self.make_request(ids, params, rid=rid, on_event=sink, provisional=provisional, stream=True)
         self.submit(req)
         try:
             while True:

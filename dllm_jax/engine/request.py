@@ -28,6 +28,8 @@ class Request:
     on_event: Callable[["Request", dict], None] | None = None  # called with each committed chunk / the finish
     # Also call on_event after every denoise step that leaves the block unfinished, with {"provisional": True}.
     provisional: bool = False
+    # A streamed request: each committed block goes out as it is done (the scheduler never chains its blocks).
+    stream: bool = False
     arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
 
     phase: Phase = Phase.WAITING

@@ -34,8 +34,8 @@ import numpy as np
 
 from dllm_jax.decode.algorithms import Algorithm
 from dllm_jax.decode.packing import RowLayout
-from dllm_jax.decode.step import (PENALTY_PREFIX, STATE_PREFIX, StepSpec, denoise_packed, init_kv_pages, prefill,
-                                   result_layout)
+from dllm_jax.decode.step import (CHAIN_STOP_IDS, PENALTY_PREFIX, STATE_PREFIX, StepSpec, denoise_packed,
+                                   init_kv_pages, prefill, result_layout)
 from dllm_jax.cache.pages import TRASH_PAGE
 from dllm_jax.engine.sampling import MAX_LOGIT_BIAS, MAX_MIN_NEW_STOP_IDS, MAX_TOP_LOGPROBS
 
@@ -175,6 +175,10 @@ class DecodeRow:
     refresh: bool = False  # a folded block re-encoded for its exact KV (nothing to decode)
     logprobs: int = -1  # -1: none; 0: the written tokens' log probabilities; k > 0: and the top k alternatives
     penalty: "PenaltyRow | None" = None  # None: no penalty or bias
+    # Block chaining (FDFO): pages reserved for the row's next blocks (it may start one per page on the device) and
+    # the token ids that end its generation (at most CHAIN_STOP_IDS). Empty: the row does not chain.
+    chain_pages: list[int] = dataclasses.field(default_factory=list)
+    stop_ids: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
@@ -203,13 +207,19 @@ class DecodeOutput:
     top_logprob: np.ndarray | None = None  # [n, B, 20] f32, most likely first
     top_ids: np.ndarray | None = None  # [n, B, 20] int32
     recorded: np.ndarray | None = None  # [n, B] bool
+    # Chaining: per row, the blocks completed before ``tokens``' block in this call (``chain_blocks[i]`` of them,
+    # oldest first) and the forwards each took. Zero blocks when the call did not chain.
+    chain_blocks: np.ndarray | None = None  # [n] int
+    chain_tokens: np.ndarray | None = None  # [n, C, B]
+    chain_steps: np.ndarray | None = None  # [n, C]
 
 
 class ModelRunner:
     def __init__(self, params, cfg, *, block_size: int, mask_id: int, algorithm: Algorithm, num_pages: int,
                  max_rows: int, max_pages_per_row: int, max_prefill_blocks: int, loop: bool,
                  attention_backend: str = "xla", confidence_backend: str = "xla", kv_dtype=jnp.float32,
-                 mesh=None, channel=None, fold_commit: bool = False, shape_buckets: dict | None = None):
+                 mesh=None, channel=None, fold_commit: bool = False, shape_buckets: dict | None = None,
+                 chain_blocks: int = 0):
         self.params = params
         self.cfg = cfg
         self.block_size = block_size
@@ -241,13 +251,15 @@ class ModelRunner:
         device_cfg = cfg.replace(eos_token_ids=(), max_position_embeddings=0)
         base = StepSpec(model=device_cfg, block_size=block_size, mask_id=mask_id, algorithm=algorithm,
                         attention_backend=attention_backend, confidence_backend=confidence_backend, loop=loop,
-                        first_done=not loop, mesh=mesh, fold_commit=fold_commit)
+                        first_done=not loop, mesh=mesh, fold_commit=fold_commit,
+                        chain=0 if loop else chain_blocks)
         self.greedy_spec = base
         self.sampling_spec = dataclasses.replace(base, sampling=True)
         self._variants: dict[tuple[bool, int], StepSpec] = {}
         self.prefill_spec = dataclasses.replace(base, algorithm=None)
         self._fresh_state = {k: np.asarray(v)[0] for k, v in algorithm.init_state(1, block_size).items()}
-        self._result_layout = result_layout(block_size, self._fresh_state)
+        self.chain = base.chain  # blocks a row may start on the device in one call (0: no chaining)
+        self._result_layout = result_layout(block_size, self._fresh_state, self.chain)
         self._layouts: dict[tuple[int, bool], RowLayout] = {}
         self.device_calls = 0
         # When a list (the efficiency bench sets one), every call appends a CallRecord: its bucket and how much
@@ -296,6 +308,9 @@ class ModelRunner:
                       ("temperature", (), "float32"), ("top_k", (), "int32"), ("top_p", (), "float32"),
                       ("seed", (), "uint32"), ("rng_step", (), "int32"), ("loop_cap", (), "int32"),
                       *[(STATE_PREFIX + k, v.shape, v.dtype.name) for k, v in sorted(self._fresh_state.items())]]
+            if self.chain:
+                fields += [("chain_pages", (self.chain,), "int32"), ("chain_left", (), "int32"),
+                           ("stop_ids", (CHAIN_STOP_IDS,), "int32")]
             if penalties:
                 fields += [(PENALTY_PREFIX + name, shape, dtype) for name, shape, dtype in (
                     ("history", ((width + 1) * B,), "int32"), ("prompt_len", (), "int32"),
@@ -405,7 +420,8 @@ class ModelRunner:
         B = self.block_size
         n = len(rows)
         R = pick_bucket(n, self.row_buckets)
-        W = pick_bucket(max(1, max(len(r.prefix_pages) for r in rows)), self.width_buckets)
+        # The table holds the prefix and, for a chaining row, the pages of the blocks it may start.
+        W = pick_bucket(max(1, max(len(r.prefix_pages) + len(r.chain_pages) for r in rows)), self.width_buckets)
         penalties = any(r.penalty is not None for r in rows)
         packed, fields = self.denoise_layout(W, penalties).empty(R)
         fields["immutable"][:] = 1  # padding rows: nothing to decode
@@ -414,6 +430,8 @@ class ModelRunner:
         fields["top_k"][:] = -1
         fields["top_p"][:] = 1.0
         fields["loop_cap"][:] = loop_cap
+        if self.chain:
+            fields["stop_ids"][:] = -1
         state = {k: fields[STATE_PREFIX + k] for k in self._fresh_state}
         for k, v in self._fresh_state.items():
             state[k][:] = v
@@ -432,6 +450,13 @@ class ModelRunner:
             if r.algo_state is not None:
                 for k, v in r.algo_state.items():
                     state[k][i] = v
+            if r.chain_pages:
+                if len(r.chain_pages) > self.chain or len(r.stop_ids) > CHAIN_STOP_IDS:
+                    raise ValueError(f"chain tables overflow: {len(r.chain_pages)} pages (room for {self.chain}), "
+                                     f"{len(r.stop_ids)} stop ids (room for {CHAIN_STOP_IDS})")
+                fields["chain_pages"][i, :len(r.chain_pages)] = r.chain_pages
+                fields["chain_left"][i] = len(r.chain_pages)
+                fields["stop_ids"][i, :len(r.stop_ids)] = r.stop_ids
         variant = 0
         if penalties:
             variant |= VARIANT_PENALTIES
@@ -446,14 +471,20 @@ class ModelRunner:
         # (~1 us; device_get's asynchronous copy costs ~0.1 ms a call).
         results, record = np.array(result[0]), jax.tree.map(np.asarray, result[1])
         res = self._result_layout.unpack(results[:n])
+        steps, chained = res["steps"], np.zeros(n, np.int64)
+        if self.chain:
+            chained = res["chain_blocks"]
+            steps = steps + res["chain_steps"].sum(axis=1)  # every forward of the call, per row
         if self.call_log is not None:
             sampled = bool(np.any((fields["temperature"] > 0) & (fields["top_k"] != 1)))
             self.call_log.append(CallRecord("denoise", R, W, 1, n, n, sum(len(r.prefix_pages) for r in rows),
-                                            sum(r.refresh for r in rows), sampled, int(res["steps"].max()),
-                                            max(len(r.prefix_pages) for r in rows)))
+                                            sum(r.refresh for r in rows), sampled, int(steps.max()),
+                                            max(len(r.prefix_pages) + int(c) for r, c in zip(rows, chained))))
         states = [{k: res[STATE_PREFIX + k][i] for k in self._fresh_state} for i in range(n)]
         out = DecodeOutput(tokens=res["tokens"], done=res["done"], steps=res["steps"], states=states,
                            fresh_kv=res["fresh_kv"])
+        if self.chain:
+            out.chain_blocks, out.chain_tokens, out.chain_steps = chained, res["chain_tokens"], res["chain_steps"]
         if record is not None:
             out.logprob, out.recorded = np.asarray(record.logprob[:n]), np.asarray(record.recorded[:n])
             if record.top_ids is not None:

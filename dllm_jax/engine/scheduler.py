@@ -28,12 +28,13 @@ import numpy as np
 from dllm_jax.cache.pages import OutOfPages, PageAllocator
 from dllm_jax.cache.radix import BlockRadixIndex
 from dllm_jax.engine.request import Phase, Request
+from dllm_jax.decode.step import CHAIN_STOP_IDS, RNG_STEPS_PER_BLOCK
 from dllm_jax.engine.runner import DecodeOutput, DecodeRow, ModelRunner, PenaltyRow, PrefillRow
 
 
 PROVISIONAL = {"provisional": True}  # the event of a denoise step that left the block unfinished
 STAT_KEYS = ("requests", "prompt_tokens", "cached_tokens", "generation_tokens", "finished", "retractions",
-             "prefill_forwards", "denoise_calls", "denoise_forwards", "refresh_rows")
+             "prefill_forwards", "denoise_calls", "denoise_forwards", "refresh_rows", "chained_blocks")
 
 
 class Scheduler:
@@ -240,14 +241,17 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------
     # Denoise
     # ------------------------------------------------------------------------------------------
-    def _start_block(self, req: Request) -> bool:
+    def _start_block(self, req: Request, page: int | None = None) -> bool:
+        """Set up the request's next block in ``page`` (a page it was given for it) or a newly allocated one."""
         B = self.B
         offset = req.prefix_len(B)
         if offset + B > self.context_length:
+            if page is not None:
+                self.allocator.free([page])
             self._finish(req, {"type": "length", "length": len(req.output_ids), "message": "context length reached"},
                          insert=True)
             return False
-        pages = self._alloc(1, req)
+        pages = [page] if page is not None else self._alloc(1, req)
         if pages is None:
             return False
         real = req.real_ids
@@ -276,6 +280,8 @@ class Scheduler:
         if not reqs and not refresh:
             return
         B = self.B
+        loop_cap = self._loop_cap(reqs, refresh)
+        chain_pages = self._reserve_chain_pages(reqs) if loop_cap > 1 else {}
         rows = [DecodeRow(tokens=r.stale_tokens, immutable=np.ones((B,), np.bool_), prefix_pages=r.pages[:-1],
                           write_page=r.pages[-1], steps_taken=0, temperature=0.0, top_k=-1, top_p=1.0, seed=0,
                           rng_step=0, algo_state=None, refresh=True) for r in refresh]
@@ -283,19 +289,29 @@ class Scheduler:
                            write_page=r.block_page, steps_taken=r.block_steps, temperature=r.params.temperature,
                            top_k=r.params.top_k, top_p=r.params.top_p, seed=r.seed,
                            rng_step=self._rng_step(r), algo_state=r.algo_state, logprobs=r.params.logprobs,
-                           penalty=self._penalty_row(r)) for r in reqs]
+                           penalty=self._penalty_row(r), chain_pages=chain_pages.get(id(r), []),
+                           stop_ids=self._stop_ids(r) if id(r) in chain_pages else ()) for r in reqs]
         with jax.profiler.TraceAnnotation("denoise_step"):
-            out = self.runner.denoise(rows, loop_cap=self._loop_cap(reqs, refresh))
+            out = self.runner.denoise(rows, loop_cap=loop_cap)
         self.stats["denoise_calls"] += 1
-        self.stats["denoise_forwards"] += int(out.steps.max())
         self.stats["refresh_rows"] += len(refresh)
         with jax.profiler.TraceAnnotation("commit"):
             for req in refresh:
                 req.stale_tokens = None
                 self._insert(req)
+            forwards = 0
             for i, req in enumerate(reqs, start=len(refresh)):
                 if req.params.logprobs >= 0:
                     self._record_logprobs(req, out, i)
+                pages = chain_pages.get(id(req), [])
+                chained = int(out.chain_blocks[i]) if pages else 0
+                self.stats["chained_blocks"] += chained
+                forwards = max(forwards, int(out.steps[i]) + (int(out.chain_steps[i, :chained].sum()) if pages else 0))
+                if pages[chained:]:  # reserved for blocks the call did not start
+                    self.allocator.free(pages[chained:])
+                if chained and not self._commit_chained(req, out.chain_tokens[i, :chained],
+                                                        out.chain_steps[i, :chained], pages[:chained]):
+                    continue
                 steps = int(out.steps[i])
                 req.forward_passes += steps
                 req.block_steps += steps
@@ -305,6 +321,64 @@ class Scheduler:
                     req.block_tokens, req.algo_state = out.tokens[i], out.states[i]
                     if req.provisional:
                         self._emit(req, PROVISIONAL)
+            self.stats["denoise_forwards"] += max(forwards, int(out.steps[:len(refresh)].max(initial=0)))
+
+    # ------------------------------------------------------------------------------------------
+    # Block chaining (FDFO): a request that nothing else waits on writes several blocks per device call
+    # ------------------------------------------------------------------------------------------
+    def _chain_budget(self, req: Request) -> int:
+        """How many blocks after the current one the request may start on the device in this call: none when the
+        host must see each block (streaming, stop strings, log probabilities, penalties, which read the growing
+        history) or when its stop ids do not fit the device's table; else as many as ``max_new_tokens`` and the
+        context length leave room for, at most the runner's chain width."""
+        p = req.params
+        if (req.stream or req.provisional or p.stop or p.logprobs >= 0 or p.penalized
+                or req.block_immutable is None or len(self._stop_set(req)) > CHAIN_STOP_IDS):
+            return 0
+        B = self.B
+        after = len(req.output_ids) + B - int(req.block_immutable.sum())  # outputs once the current block is in
+        remaining = p.max_new_tokens - after
+        room = self.context_length // B - len(req.pages) - 1  # further blocks that fit the context
+        return max(0, min(self.runner.chain, -(-remaining // B), room))
+
+    def _reserve_chain_pages(self, reqs: list[Request]) -> dict[int, list[int]]:
+        """Pages for the blocks each request may chain into: free pages, then pages of the cache's least recently
+        used blocks (as the next round would take for the next block), never a running request's (no retraction
+        for a block that may not be needed). What a call does not use is freed after it."""
+        out = {}
+        for req in reqs:
+            n = self._chain_budget(req)
+            if n > self.allocator.num_free and self.radix.evictable:
+                with jax.profiler.TraceAnnotation("radix.evict"):
+                    self.radix.evict(min(n - self.allocator.num_free, self.radix.evictable))
+            n = min(n, self.allocator.num_free)
+            if n > 0:
+                out[id(req)] = self.allocator.alloc(n)
+        return out
+
+    def _stop_set(self, req: Request) -> set[int]:
+        ids = set(req.params.stop_token_ids)
+        return ids if req.params.ignore_eos else ids | self.eos_token_ids
+
+    def _stop_ids(self, req: Request) -> tuple[int, ...]:
+        return tuple(sorted(self._stop_set(req)))
+
+    def _commit_chained(self, req: Request, blocks: np.ndarray, steps: np.ndarray, pages: list[int]) -> bool:
+        """Commit the blocks a call completed and chained past, each as a block done on the host would be, and set
+        up the block after each in its reserved page. False if the request finished (then its later pages, whose
+        blocks the host does not keep, are freed)."""
+        for j, (tokens, n) in enumerate(zip(blocks, steps)):
+            req.forward_passes += int(n)
+            req.block_steps += int(n)
+            self._commit_block(req, tokens, fresh_kv=True)
+            if req.finished:  # the device chains only past blocks that do not end the request: a safety net
+                self.allocator.free(pages[j:])
+                return False
+            if not self._start_block(req, pages[j]):  # (it frees pages[j])
+                if pages[j + 1:]:
+                    self.allocator.free(pages[j + 1:])
+                return False
+        return True
 
     def _loop_cap(self, reqs: list[Request], refresh: list[Request]) -> int:
         """FDFO: how many steps the call may run on the device before the batch comes back (it stops anyway when
@@ -343,7 +417,7 @@ class Scheduler:
     def _rng_step(self, req: Request) -> int:
         """Where this step sits in the request's generation (block index, step in block): folded into the sampling
         key, so a seeded request draws the same tokens whatever its batch, cache hits or retractions."""
-        return req.prefix_len(self.B) // self.B * 4096 + req.block_steps
+        return req.prefix_len(self.B) // self.B * RNG_STEPS_PER_BLOCK + req.block_steps
 
     def _commit_block(self, req: Request, tokens: np.ndarray, fresh_kv: bool = True) -> None:
         B = self.B
@@ -388,9 +462,7 @@ class Scheduler:
     def _append_outputs(self, req: Request, new: list[int]) -> dict | None:
         """Append a committed block's new tokens; apply max_new_tokens, EOS / stop ids and stop strings."""
         params = req.params
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= self.eos_token_ids
+        stop_ids = self._stop_set(req)
         finish = None
         start = len(req.output_ids)
         for tok in new:
