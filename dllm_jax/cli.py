@@ -62,6 +62,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-steps-per-call", type=int, default=None, metavar="N",
                    help="FDFO: the most denoise steps one device call runs while its batch stays the same "
                         "(default: until its first row is done; 1: one step per round)")
+    g.add_argument("--chain-blocks", type=int, default=None, metavar="N",
+                   help="FDFO: blocks a request may go on into inside one device call when nothing waits to join "
+                        "(default: 4 without the folded commit forward, 0 with it; 0: off)")
     g.add_argument("--compilation-cache", default=None, metavar="DIR",
                    help="persistent compilation cache directory, or 'off' (default: $DLLM_JAX_COMPILATION_CACHE "
                         "or ~/.cache/dllm-jax/xla)")
@@ -122,7 +125,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             raise ValueError("--shape-buckets: must be a JSON object, e.g. '{\"rows\": [8]}'")
         kwargs["shape_buckets"] = buckets
     for name in ("max_running_requests", "num_kv_pages", "mem_fraction", "context_length", "max_prefill_tokens",
-                 "fold_commit_forward", "max_steps_per_call"):
+                 "fold_commit_forward", "max_steps_per_call", "chain_blocks"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name, None)
     return kwargs

@@ -37,7 +37,7 @@ def start_follower(leader, channel: QueueChannel, max_rows: int):
                            algorithm=r.algorithm, num_pages=leader.num_kv_pages, max_rows=max_rows,
                            max_pages_per_row=r.max_pages_per_row, max_prefill_blocks=r.max_prefill_blocks,
                            loop=False, channel=channel, fold_commit=r.greedy_spec.fold_commit,
-                           shape_buckets=ENGINE_KW["shape_buckets"])
+                           shape_buckets=ENGINE_KW["shape_buckets"], chain_blocks=r.chain)
     result = {}
     thread = threading.Thread(target=lambda: result.setdefault("calls", follower.follow()))
     thread.start()

@@ -250,7 +250,8 @@ def test_eos_stops_unless_ignored(tmp_path, make_engine, reference_outputs):
 
 def test_abort_queued_and_running(tiny_model, make_engine):
     engine = make_engine(tiny_model, **dict(ENGINE_KW, max_running_requests=1))
-    reqs = [engine.make_request(list(p), {"max_new_tokens": 30, "ignore_eos": True}) for p in PROMPTS[:3]]
+    # long enough to be still running after two rounds although each call chains up to 4 blocks further
+    reqs = [engine.make_request(list(p), {"max_new_tokens": 50, "ignore_eos": True}) for p in PROMPTS[:3]]
     for r in reqs:
         engine.submit(r)
     engine.step()
@@ -262,7 +263,7 @@ def test_abort_queued_and_running(tiny_model, make_engine):
     while engine.step():
         pass
     assert reqs[0].finish_reason["type"] == "abort" and reqs[2].finish_reason["type"] == "abort"
-    assert reqs[1].finish_reason["type"] == "length" and len(reqs[1].output_ids) == 30
+    assert reqs[1].finish_reason["type"] == "length" and len(reqs[1].output_ids) == 50
 
 
 def test_streaming_chunks_are_committed_blocks(tiny_model, make_engine):
