@@ -642,6 +642,7 @@ SCENARIOS = {
     "radix": radix,
     "moe": _lazy("moe"),
     "efficiency": _lazy("efficiency"),
+    "chain": _lazy("chain"),
     "prefill": _lazy("prefill"),
     "startup": _lazy("startup"),
     "invariance": _lazy("invariance"),
