@@ -133,3 +133,16 @@ def test_quick_suite_on_tiny_model(tmp_path):
     assert summary["profile"]["trace"] and summary["profile"]["annotations"]
     for name in ("baseline", "concurrency", "prefix", "long", "schedules", "engine"):
         assert (tmp_path / f"{name}.json").is_file() and (tmp_path / f"{name}.png").is_file()
+
+
+@pytest.mark.slow
+def test_chain_scenario_identical_tokens(tmp_path):
+    """`python -m bench chain --quick`: chaining off / on / forced, the same tokens at every level."""
+    from bench.cli import run
+
+    assert run(["chain", "--quick", "--out", str(tmp_path)]) == 0
+    levels = json.loads((tmp_path / "chain.json").read_text())["levels"]
+    assert set(levels) == {"1", "2", "4", "16"}
+    for level in levels.values():
+        assert all(r["identical"] for r in level.values())
+        assert level["on"]["device_calls"] <= level["off"]["device_calls"]
