@@ -131,14 +131,14 @@ def test_chained_blocks_are_the_blocks_of_one_call_each(tiny_model, make_engine,
     max_new_tokens mid-block, the context length), fewer calls; a chain longer than its width resumes in the next
     call; every page comes back (the pages reserved for blocks a call did not start included)."""
     kw = dict(ENGINE_KW, fold_commit_forward=fold)
-    chained = make_engine(tiny_model, chain_blocks=2, **kw)
+    chained = make_engine(tiny_model, chain_blocks=4, **kw)  # the default without folding: shared executables
     plain = make_engine(tiny_model, chain_blocks=0, **kw)
     sampled = {"max_new_tokens": 14, "ignore_eos": True, "temperature": 1.3, "seed": 11}
     ref = [e.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["output_ids"] for e in (chained, plain)][1]
     cases = [(p, GREEDY) for p in PROMPTS[:3]] + [
         (PROMPTS[4], sampled), (PROMPTS[0], {"max_new_tokens": 9, "ignore_eos": True}),
         (PROMPTS[0], {"max_new_tokens": 14, "stop_token_ids": [ref[9]]}),
-        (PROMPTS[4], {"max_new_tokens": 60, "ignore_eos": True})]  # runs into the context length (64)
+        (PROMPTS[4], {"max_new_tokens": 60, "ignore_eos": True})]  # the context length (64): 9 blocks, 2+ calls
     for prompt, params in cases:
         calls = [e.scheduler.stats["denoise_calls"] for e in (chained, plain)]
         links = chained.scheduler.stats["chained_blocks"]
@@ -155,7 +155,7 @@ def test_chained_blocks_are_the_blocks_of_one_call_each(tiny_model, make_engine,
         assert a["meta_info"]["forward_passes"] == b["meta_info"]["forward_passes"] + extra, params
         if len(b["output_ids"]) > 8:  # three blocks or more: at least one chained
             assert chained_calls < plain_calls, params
-        assert links <= 2 * chained_calls  # at most 2 blocks further per call
+        assert links <= 4 * chained_calls  # at most 4 blocks further per call
         chained.scheduler.check_pages()
     assert a["meta_info"]["finish_reason"]["type"] == "length" and len(a["output_ids"]) == 64 - 28
     _verified(tiny_oracle, [o["output_ids"] for o in chained.generate(input_ids=[PROMPTS[0]] * 2,
