@@ -72,6 +72,10 @@ class StepSpec:
     # tables (0: no chaining; the synchronous schedule never chains).
     chain: int = 0
 
+    def __post_init__(self):
+        if self.chain and not self.first_done:
+            raise ValueError("StepSpec.chain: only an FDFO step (first_done) chains blocks")
+
     @property
     def needs_logits(self) -> bool:
         """Whether the step materialises the ``[R, B, V]`` logits (else only the fused confidence figures)."""
@@ -294,7 +298,7 @@ def denoise(params, kv_pages, batch: DenoiseBatch, state: State, *, spec: StepSp
                                        state=state, fresh_kv=fresh, logprobs=record)
 
     live = ~jnp.all(batch.immutable, axis=-1)  # rows with something to decode (not padding, not refresh rows)
-    chain = spec.chain if spec.first_done else 0
+    chain = spec.chain
     max_iterations = spec.max_steps * (chain + 1)
 
     def cond(c):
@@ -378,7 +382,7 @@ def _start_next_blocks(c: dict, row: DenoiseBatch, *, go, batch: DenoiseBatch, s
                 prefix_len=prefix_len, write_page=jnp.where(go, next_page, row.write_page),
                 tokens=jnp.where(go[:, None], spec.mask_id, c["tokens"]),
                 immutable=row.immutable & ~go[:, None],
-                state=_where_rows(go, fresh_state, c["state"]) if c["state"] else c["state"],
+                state=_where_rows(go, fresh_state, c["state"]),
                 steps=jnp.where(go, 0, c["steps"]), steps_taken=jnp.where(go, 0, row.steps_taken),
                 rng_step=jnp.where(go, prefix_len // block * RNG_STEPS_PER_BLOCK, row.rng_step),
                 done=c["done"] & ~go, fresh=c["fresh"] & ~go)
@@ -426,11 +430,10 @@ def denoise_packed(params, kv_pages, packed, *, spec: StepSpec, layout: RowLayou
     kv_pages, result = denoise(params, kv_pages, batch, state, spec=spec)
     out = {"tokens": result.tokens, "done": result.done, "steps": result.steps, "fresh_kv": result.fresh_kv,
            **{STATE_PREFIX + k: v for k, v in result.state.items()}}
-    chain = spec.chain if spec.first_done else 0
-    if chain:
+    if spec.chain:
         out.update(chain_blocks=result.chain_blocks, chain_tokens=result.chain_tokens, chain_steps=result.chain_steps)
     state_row = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in result.state.items()}
-    return kv_pages, result_layout(spec.block_size, state_row, chain).pack(out), result.logprobs
+    return kv_pages, result_layout(spec.block_size, state_row, spec.chain).pack(out), result.logprobs
 
 
 def init_kv_pages(cfg: ModelConfig, num_pages: int, block_size: int, dtype=jnp.float32) -> list[Any]:

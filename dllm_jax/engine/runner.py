@@ -212,6 +212,7 @@ class DecodeOutput:
     chain_blocks: np.ndarray | None = None  # [n] int
     chain_tokens: np.ndarray | None = None  # [n, C, B]
     chain_steps: np.ndarray | None = None  # [n, C]
+    forwards: np.ndarray | None = None  # [n]: every forward that served the row in this call (chained blocks too)
 
 
 class ModelRunner:
@@ -471,18 +472,18 @@ class ModelRunner:
         # (~1 us; device_get's asynchronous copy costs ~0.1 ms a call).
         results, record = np.array(result[0]), jax.tree.map(np.asarray, result[1])
         res = self._result_layout.unpack(results[:n])
-        steps, chained = res["steps"], np.zeros(n, np.int64)
+        forwards, chained = res["steps"], np.zeros(n, np.int64)
         if self.chain:
             chained = res["chain_blocks"]
-            steps = steps + res["chain_steps"].sum(axis=1)  # every forward of the call, per row
+            forwards = forwards + res["chain_steps"].sum(axis=1)
         if self.call_log is not None:
             sampled = bool(np.any((fields["temperature"] > 0) & (fields["top_k"] != 1)))
             self.call_log.append(CallRecord("denoise", R, W, 1, n, n, sum(len(r.prefix_pages) for r in rows),
-                                            sum(r.refresh for r in rows), sampled, int(steps.max()),
+                                            sum(r.refresh for r in rows), sampled, int(forwards.max()),
                                             max(len(r.prefix_pages) + int(c) for r, c in zip(rows, chained))))
         states = [{k: res[STATE_PREFIX + k][i] for k in self._fresh_state} for i in range(n)]
         out = DecodeOutput(tokens=res["tokens"], done=res["done"], steps=res["steps"], states=states,
-                           fresh_kv=res["fresh_kv"])
+                           fresh_kv=res["fresh_kv"], forwards=forwards)
         if self.chain:
             out.chain_blocks, out.chain_tokens, out.chain_steps = chained, res["chain_tokens"], res["chain_steps"]
         if record is not None:

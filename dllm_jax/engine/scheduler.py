@@ -299,19 +299,18 @@ class Scheduler:
         with jax.profiler.TraceAnnotation("denoise_step"):
             out = self.runner.denoise(rows, loop_cap=loop_cap)
         self.stats["denoise_calls"] += 1
+        self.stats["denoise_forwards"] += int(out.forwards.max())
         self.stats["refresh_rows"] += len(refresh)
         with jax.profiler.TraceAnnotation("commit"):
             for req in refresh:
                 req.stale_tokens = None
                 self._insert(req)
-            forwards = 0
             for i, req in enumerate(reqs, start=len(refresh)):
                 if req.params.logprobs >= 0:
                     self._record_logprobs(req, out, i)
                 pages = chain_pages.get(id(req), [])
                 chained = int(out.chain_blocks[i]) if pages else 0
                 self.stats["chained_blocks"] += chained
-                forwards = max(forwards, int(out.steps[i]) + (int(out.chain_steps[i, :chained].sum()) if pages else 0))
                 if pages[chained:]:  # reserved for blocks the call did not start
                     self.allocator.free(pages[chained:])
                 if chained and not self._commit_chained(req, out.chain_tokens[i, :chained],
@@ -326,7 +325,6 @@ class Scheduler:
                     req.block_tokens, req.algo_state = out.tokens[i], out.states[i]
                     if req.provisional:
                         self._emit(req, PROVISIONAL)
-            self.stats["denoise_forwards"] += max(forwards, int(out.steps[:len(refresh)].max(initial=0)))
 
     # ------------------------------------------------------------------------------------------
     # Block chaining (FDFO): a request that nothing else waits on writes several blocks per device call
