@@ -124,7 +124,7 @@ def test_fdfo_call_runs_steps_until_its_first_row_is_done(tiny_model, make_engin
     assert looped.scheduler.stats["denoise_calls"] - calls < looped.scheduler.stats["denoise_forwards"] - blocks
 
 
-@pytest.mark.parametrize("fold", [False, True])
+@pytest.mark.parametrize("fold", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_chained_blocks_are_the_blocks_of_one_call_each(tiny_model, make_engine, tiny_oracle, fold):
     """FDFO block chaining: a request that nothing waits on goes on into its next blocks inside one device call.
     Same tokens and forwards as one block per call (greedy, seeded sampling, EOS and stop ids mid-block,
