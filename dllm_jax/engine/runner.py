@@ -43,6 +43,13 @@ from dllm_jax.engine.sampling import MAX_LOGIT_BIAS, MAX_MIN_NEW_STOP_IDS, MAX_T
 KIND_STOP, KIND_PREFILL, KIND_DENOISE = 0, 1, 2
 # Denoise variants, as bits above the kind in a call's header (followers shape their arrays from it).
 VARIANT_PENALTIES, VARIANT_LOGPROBS, VARIANT_TOP = 1, 2, 4
+# Block chaining runs only in calls of at most this many decoding rows: it saves a host round trip per block, which
+# matters when a call holds few rows, and costs every row of the call (reserved pages widen the page-table bucket;
+# the loop carries each row's page table, prefix length and write page instead of reading them once). Measured on
+# CPU, shipped model (`python -m bench chain`): 6% faster at 1 and 2 requests, 9% slower forced at 16. Only the row
+# buckets such a call can land in compile the chaining step (``ModelRunner.chain_rows``); larger ones compile the
+# plain FDFO step, so one executable serves each bucket either way.
+CHAIN_MAX_ROWS = 2
 
 
 def pow2_buckets(limit: int) -> tuple[int, ...]:
@@ -252,16 +259,21 @@ class ModelRunner:
         device_cfg = cfg.replace(eos_token_ids=(), max_position_embeddings=0)
         base = StepSpec(model=device_cfg, block_size=block_size, mask_id=mask_id, algorithm=algorithm,
                         attention_backend=attention_backend, confidence_backend=confidence_backend, loop=loop,
-                        first_done=not loop, mesh=mesh, fold_commit=fold_commit,
-                        chain=0 if loop else chain_blocks)
+                        first_done=not loop, mesh=mesh, fold_commit=fold_commit)
         self.greedy_spec = base
         self.sampling_spec = dataclasses.replace(base, sampling=True)
-        self._variants: dict[tuple[bool, int], StepSpec] = {}
+        self._variants: dict[tuple[bool, int, bool], StepSpec] = {}
         self.prefill_spec = dataclasses.replace(base, algorithm=None)
         self._fresh_state = {k: np.asarray(v)[0] for k, v in algorithm.init_state(1, block_size).items()}
-        self.chain = base.chain  # blocks a row may start on the device in one call (0: no chaining)
-        self._result_layout = result_layout(block_size, self._fresh_state, self.chain)
-        self._layouts: dict[tuple[int, bool], RowLayout] = {}
+        self.chain = 0 if loop else chain_blocks  # blocks a row may start on the device in one call (0: none)
+        # The row buckets whose calls may chain: those of up to CHAIN_MAX_ROWS decoding rows (with commit folding,
+        # each may bring a refresh row).
+        chain_rows = pick_bucket(min(CHAIN_MAX_ROWS * (2 if fold_commit else 1), self.row_buckets[-1]),
+                                 self.row_buckets)
+        self.chain_rows = frozenset(R for R in self.row_buckets if R <= chain_rows) if self.chain else frozenset()
+        self._result_layouts = {chain: result_layout(block_size, self._fresh_state, self.chain if chain else 0)
+                                for chain in (False, True)}
+        self._layouts: dict[tuple[int, bool, bool], RowLayout] = {}
         self.device_calls = 0
         # When a list (the efficiency bench sets one), every call appends a CallRecord: its bucket and how much
         # of it was real work, so a run can be set against the bare cost of its buckets.
@@ -288,20 +300,25 @@ class ModelRunner:
                 return prefill.lower(*args, spec=self.prefill_spec)
             self.kv_pages = prefill(*args, spec=self.prefill_spec)
             return None
-        layout = self.denoise_layout(shape[1], bool(variant & VARIANT_PENALTIES))
+        chain = shape[0] in self.chain_rows
+        layout = self.denoise_layout(shape[1], bool(variant & VARIANT_PENALTIES), chain)
         rows = arrays["rows"]
         sampling = bool(np.any((layout.view(rows, "temperature") > 0) & (layout.view(rows, "top_k") != 1)))
-        spec = self.denoise_spec(sampling, variant)
+        spec = self.denoise_spec(sampling, variant, chain)
         args = (self.params, self.kv_pages, rows)
         if lower_only:
             return denoise_packed.lower(*args, spec=spec, layout=layout)
         self.kv_pages, *result = denoise_packed(*args, spec=spec, layout=layout)
         return result
 
-    def denoise_layout(self, width: int, penalties: bool) -> RowLayout:
+    def can_chain(self, rows: int) -> bool:
+        """Whether a denoise call of ``rows`` rows runs the chaining step (its row bucket is in ``chain_rows``)."""
+        return pick_bucket(rows, self.row_buckets) in self.chain_rows
+
+    def denoise_layout(self, width: int, penalties: bool, chain: bool = False) -> RowLayout:
         """The packed per-row inputs of a denoise call with a ``width``-page table (see
-        :func:`dllm_jax.decode.step.denoise_packed`)."""
-        key = (width, penalties)
+        :func:`dllm_jax.decode.step.denoise_packed`); ``chain``: with the chaining tables."""
+        key = (width, penalties, chain)
         if key not in self._layouts:
             B = self.block_size
             fields = [("tokens", (B,), "int32"), ("immutable", (B,), "bool"), ("page_table", (width,), "int32"),
@@ -309,7 +326,7 @@ class ModelRunner:
                       ("temperature", (), "float32"), ("top_k", (), "int32"), ("top_p", (), "float32"),
                       ("seed", (), "uint32"), ("rng_step", (), "int32"), ("loop_cap", (), "int32"),
                       *[(STATE_PREFIX + k, v.shape, v.dtype.name) for k, v in sorted(self._fresh_state.items())]]
-            if self.chain:
+            if chain:
                 fields += [("chain_pages", (self.chain,), "int32"), ("chain_left", (), "int32"),
                            ("stop_ids", (CHAIN_STOP_IDS,), "int32")]
             if penalties:
@@ -322,16 +339,17 @@ class ModelRunner:
             self._layouts[key] = RowLayout(tuple(fields))
         return self._layouts[key]
 
-    def denoise_spec(self, sampling: bool, variant: int = 0) -> StepSpec:
-        """The compiled step for a call: plain (greedy or sampling), or a variant (``VARIANT_*`` bits)."""
+    def denoise_spec(self, sampling: bool, variant: int = 0, chain: bool = False) -> StepSpec:
+        """The compiled step for a call: plain (greedy or sampling), or a variant (``VARIANT_*`` bits); ``chain``:
+        the chaining step (calls of the row buckets in ``chain_rows``)."""
         spec = self.sampling_spec if sampling else self.greedy_spec
-        if not variant:
+        if not variant and not chain:
             return spec
-        key = (sampling, variant)
+        key = (sampling, variant, chain)
         if key not in self._variants:
             self._variants[key] = dataclasses.replace(
                 spec, penalties=bool(variant & VARIANT_PENALTIES), logprobs=bool(variant & VARIANT_LOGPROBS),
-                top_logprobs=MAX_TOP_LOGPROBS if variant & VARIANT_TOP else 0)
+                top_logprobs=MAX_TOP_LOGPROBS if variant & VARIANT_TOP else 0, chain=self.chain if chain else 0)
         return self._variants[key]
 
     def _template(self, header: np.ndarray) -> dict[str, np.ndarray]:
@@ -342,7 +360,7 @@ class ModelRunner:
         if kind == KIND_PREFILL:
             return {"tokens": np.zeros((rows, length), np.int32), "page_table": np.zeros((rows, width), np.int32),
                     "prefix_len": np.zeros((rows,), np.int32), "write": np.zeros((rows, length // B), np.int32)}
-        layout = self.denoise_layout(width, bool(variant & VARIANT_PENALTIES))
+        layout = self.denoise_layout(width, bool(variant & VARIANT_PENALTIES), rows in self.chain_rows)
         return {"rows": np.zeros((rows, layout.width), np.int32)}
 
     def follow(self) -> int:
@@ -424,14 +442,15 @@ class ModelRunner:
         # The table holds the prefix and, for a chaining row, the pages of the blocks it may start.
         W = pick_bucket(max(1, max(len(r.prefix_pages) + len(r.chain_pages) for r in rows)), self.width_buckets)
         penalties = any(r.penalty is not None for r in rows)
-        packed, fields = self.denoise_layout(W, penalties).empty(R)
+        chain = R in self.chain_rows
+        packed, fields = self.denoise_layout(W, penalties, chain).empty(R)
         fields["immutable"][:] = 1  # padding rows: nothing to decode
         fields["page_table"][:] = TRASH_PAGE
         fields["write_page"][:] = TRASH_PAGE
         fields["top_k"][:] = -1
         fields["top_p"][:] = 1.0
         fields["loop_cap"][:] = loop_cap
-        if self.chain:
+        if chain:
             fields["stop_ids"][:] = -1
         state = {k: fields[STATE_PREFIX + k] for k in self._fresh_state}
         for k, v in self._fresh_state.items():
@@ -452,9 +471,10 @@ class ModelRunner:
                 for k, v in r.algo_state.items():
                     state[k][i] = v
             if r.chain_pages:
-                if len(r.chain_pages) > self.chain or len(r.stop_ids) > CHAIN_STOP_IDS:
-                    raise ValueError(f"chain tables overflow: {len(r.chain_pages)} pages (room for {self.chain}), "
-                                     f"{len(r.stop_ids)} stop ids (room for {CHAIN_STOP_IDS})")
+                if not chain or len(r.chain_pages) > self.chain or len(r.stop_ids) > CHAIN_STOP_IDS:
+                    raise ValueError(f"chain tables overflow: {len(r.chain_pages)} pages (room for "
+                                     f"{self.chain if chain else 0} in a call of {R} rows), {len(r.stop_ids)} stop "
+                                     f"ids (room for {CHAIN_STOP_IDS})")
                 fields["chain_pages"][i, :len(r.chain_pages)] = r.chain_pages
                 fields["chain_left"][i] = len(r.chain_pages)
                 fields["stop_ids"][i, :len(r.stop_ids)] = r.stop_ids
@@ -471,9 +491,9 @@ class ModelRunner:
         # The one host sync of this step. np.array, not jax.device_get: on XLA:CPU it reads the buffer directly
         # (~1 us; device_get's asynchronous copy costs ~0.1 ms a call).
         results, record = np.array(result[0]), jax.tree.map(np.asarray, result[1])
-        res = self._result_layout.unpack(results[:n])
+        res = self._result_layouts[chain].unpack(results[:n])
         forwards, chained = res["steps"], np.zeros(n, np.int64)
-        if self.chain:
+        if chain:
             chained = res["chain_blocks"]
             forwards = forwards + res["chain_steps"].sum(axis=1)
         if self.call_log is not None:
@@ -484,7 +504,7 @@ class ModelRunner:
         states = [{k: res[STATE_PREFIX + k][i] for k in self._fresh_state} for i in range(n)]
         out = DecodeOutput(tokens=res["tokens"], done=res["done"], steps=res["steps"], states=states,
                            fresh_kv=res["fresh_kv"], forwards=forwards)
-        if self.chain:
+        if chain:
             out.chain_blocks, out.chain_tokens, out.chain_steps = chained, res["chain_tokens"], res["chain_steps"]
         if record is not None:
             out.logprob, out.recorded = np.asarray(record.logprob[:n]), np.asarray(record.recorded[:n])

@@ -29,14 +29,9 @@ from dllm_jax.cache.pages import OutOfPages, PageAllocator
 from dllm_jax.cache.radix import BlockRadixIndex
 from dllm_jax.engine.request import Phase, Request
 from dllm_jax.decode.step import CHAIN_STOP_IDS, RNG_STEPS_PER_BLOCK
-from dllm_jax.engine.runner import DecodeOutput, DecodeRow, ModelRunner, PenaltyRow, PrefillRow
+from dllm_jax.engine.runner import CHAIN_MAX_ROWS, DecodeOutput, DecodeRow, ModelRunner, PenaltyRow, PrefillRow
 
 
-# Block chaining runs only in calls of at most this many decoding rows: it saves a host round trip per block, which
-# is a large share of a small batch's call, while the pages it reserves widen every row's page table (more padded
-# prefix keys in the attention). Measured on CPU, shipped model (`python -m bench chain`): 6% faster at 1 and 2
-# requests, even at 4, 15% slower at 16.
-CHAIN_MAX_ROWS = 2
 PROVISIONAL = {"provisional": True}  # the event of a denoise step that left the block unfinished
 STAT_KEYS = ("requests", "prompt_tokens", "cached_tokens", "generation_tokens", "finished", "retractions",
              "prefill_forwards", "denoise_calls", "denoise_forwards", "refresh_rows", "chained_blocks")
@@ -286,7 +281,8 @@ class Scheduler:
             return
         B = self.B
         loop_cap = self._loop_cap(reqs, refresh)
-        chain_pages = self._reserve_chain_pages(reqs) if loop_cap > 1 and len(reqs) <= CHAIN_MAX_ROWS else {}
+        chains = loop_cap > 1 and len(reqs) <= CHAIN_MAX_ROWS and self.runner.can_chain(len(reqs) + len(refresh))
+        chain_pages = self._reserve_chain_pages(reqs) if chains else {}
         rows = [DecodeRow(tokens=r.stale_tokens, immutable=np.ones((B,), np.bool_), prefix_pages=r.pages[:-1],
                           write_page=r.pages[-1], steps_taken=0, temperature=0.0, top_k=-1, top_p=1.0, seed=0,
                           rng_step=0, algo_state=None, refresh=True) for r in refresh]
