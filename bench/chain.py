@@ -32,6 +32,10 @@ def chain(ctx: Ctx) -> dict:
                   num_kv_pages=kv_pages_for(prompts, max_new, level))
         engines = {"off": make_engine(m, ctx, chain_blocks=0, **kw), "on": make_engine(m, ctx, **kw),
                    "forced": make_engine(m, ctx, **kw)}
+        # forced: every row bucket compiles the chaining step (the runner's default: only the buckets of calls of at
+        # most CHAIN_MAX_ROWS rows); the scheduler's threshold is lifted per pass below
+        forced = engines["forced"].runner
+        forced.chain_rows = frozenset(forced.row_buckets)
         best: dict = {}
         try:
             for _ in range(passes + 1):  # the first pass compiles and is thrown away
