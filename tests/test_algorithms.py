@@ -1,11 +1,27 @@
 """Decoding algorithms on hand-made logits (the scenarios of SGLang's unit tests, reference section 7)."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dllm_jax.decode.algorithms import (ALGORITHMS, JointThresholdInDel, apply_edit_operations, greedy_candidates,
-                                        make_algorithm)
+from dllm_jax.decode.algorithms import ALGORITHMS, JointThresholdInDel, apply_edit_operations, make_algorithm
+from dllm_jax.decode.algorithms import greedy_candidates as _greedy_candidates
+
+# Jitted as in the engine's step (one compile per algorithm and shape instead of one per primitive op and shape)
+greedy_candidates = jax.jit(_greedy_candidates, static_argnums=1)
+
+
+@functools.cache
+def _jitted_step(algo):
+    return jax.jit(type(algo).step, static_argnums=(0, 5))
+
+
+def step(algo, ids, immutable, cand, state, mask):
+    """``algo.step``, jitted (the algorithm and the mask id are static, as in the engine)."""
+    return _jitted_step(algo)(algo, ids, immutable, cand, state, mask)
 
 V, MASK = 16, 15
 
@@ -25,7 +41,7 @@ def run_block(algo, ids, immutable, logits_fn, mask=MASK, max_runs=32):
     done_all = np.zeros(ids.shape[0], bool)
     for run in range(1, max_runs + 1):
         cand = greedy_candidates(jnp.asarray(logits_fn(ids)), mask)
-        new, done, state = algo.step(jnp.asarray(ids), jnp.asarray(immutable), cand, state, mask)
+        new, done, state = step(algo, jnp.asarray(ids), jnp.asarray(immutable), cand, state, mask)
         new, done = np.asarray(new), np.asarray(done)
         assert (new[immutable] == ids[immutable]).all(), "an immutable position changed"
         # Done rows stop changing: the forward that produced these logits already saw their final tokens.
@@ -62,11 +78,11 @@ def test_low_confidence_done_only_after_forward_on_final_tokens():
     ids = np.array([[0, 0, 3, 4], [1, 2, 3, 4]])
     logits = favour(1, rows=2)
     cand = greedy_candidates(jnp.asarray(logits), 0)
-    new, done, _ = algo.step(jnp.asarray(ids), jnp.zeros((2, 4), bool), cand, {}, 0)
+    new, done, _ = step(algo, jnp.asarray(ids), jnp.zeros((2, 4), bool), cand, {}, 0)
     assert np.asarray(new).tolist() == [[1, 1, 3, 4], [1, 2, 3, 4]]
     assert np.asarray(done).tolist() == [False, True]
     # A second forward over the filled block reports done (without changing anything).
-    new2, done2, _ = algo.step(new, jnp.zeros((2, 4), bool), cand, {}, 0)
+    new2, done2, _ = step(algo, new, jnp.zeros((2, 4), bool), cand, {}, 0)
     assert np.asarray(done2).tolist() == [True, True] and (np.asarray(new2) == np.asarray(new)).all()
 
 
@@ -78,7 +94,7 @@ def test_low_confidence_fallback_commits_the_best_sub_threshold_position():
     cand = greedy_candidates(jnp.asarray(logits), MASK)
     ids = np.array([[2, MASK, MASK, MASK]])
     imm = np.array([[True, False, False, False]])
-    new, done, _ = algo.step(jnp.asarray(ids), jnp.asarray(imm), cand, {}, MASK)
+    new, done, _ = step(algo, jnp.asarray(ids), jnp.asarray(imm), cand, {}, MASK)
     assert np.asarray(new).tolist() == [[2, MASK, 6, MASK]] and not bool(done[0])
 
 
@@ -88,10 +104,10 @@ def test_threshold_is_strict():
     cand = greedy_candidates(jnp.asarray(logits), 3)
     conf = float(cand.confidence[0, 0])
     algo = make_algorithm("LowConfidence", {"threshold": conf})  # equal is not enough
-    new, _, _ = algo.step(jnp.asarray([[3, 3]]), jnp.zeros((1, 2), bool), cand, {}, 3)
+    new, _, _ = step(algo, jnp.asarray([[3, 3]]), jnp.zeros((1, 2), bool), cand, {}, 3)
     assert np.asarray(new).tolist() == [[1, 3]]  # only the at-least-one fallback, not both
     algo = make_algorithm("LowConfidence", {"threshold": conf - 1e-6})
-    new, _, _ = algo.step(jnp.asarray([[3, 3]]), jnp.zeros((1, 2), bool), cand, {}, 3)
+    new, _, _ = step(algo, jnp.asarray([[3, 3]]), jnp.zeros((1, 2), bool), cand, {}, 3)
     assert np.asarray(new).tolist() == [[1, 1]]
 
 
@@ -149,7 +165,7 @@ def test_eb_sampling_entropy_budget():
     logits[0, 2, 5] = 30.0  # entropy ~ 0
     logits[0, 3, 6] = 2.0
     cand = greedy_candidates(jnp.asarray(logits), MASK)
-    new, done, _ = algo.step(jnp.asarray([[MASK] * 4]), jnp.zeros((1, 4), bool), cand, {}, MASK)
+    new, done, _ = step(algo, jnp.asarray([[MASK] * 4]), jnp.zeros((1, 4), bool), cand, {}, MASK)
     # The two near-zero-entropy positions fit the budget; the next one would exceed it only after being added,
     # and the reveal rule looks at entropy revealed *before* it, so it goes too; the fourth does not.
     assert np.asarray(new).tolist() == [[3, 4, 5, MASK]] and not bool(done[0])
@@ -162,7 +178,7 @@ def test_entropy_threshold_commits_lowest_and_below_threshold():
     logits[0, 1, 4] = 1.0
     logits[0, 2, 5] = 2.0
     cand = greedy_candidates(jnp.asarray(logits), MASK)
-    new, _, _ = algo.step(jnp.asarray([[MASK] * 4]), jnp.zeros((1, 4), bool), cand, {}, MASK)
+    new, _, _ = step(algo, jnp.asarray([[MASK] * 4]), jnp.zeros((1, 4), bool), cand, {}, MASK)
     assert np.asarray(new).tolist() == [[3, MASK, MASK, MASK]]
 
 
@@ -251,7 +267,7 @@ def test_indel_quota_one_plus_introduced():
     imm = jnp.asarray([[True] + [False] * 5])
     state["num_update_steps"] = jnp.asarray([1])
     state["is_orig_mask"] = jnp.asarray([[False, True, True, False, False, True]])  # 2 masks were introduced
-    new, done, _ = algo.step(ids, imm, greedy_candidates(jnp.asarray(logits), MASK), state, MASK)
+    new, done, _ = step(algo, ids, imm, greedy_candidates(jnp.asarray(logits), MASK), state, MASK)
     changed = (np.asarray(new) != np.asarray(ids)).sum()
     assert changed == 3 and not bool(done[0])  # 1 + 2 introduced, the most confident ones
 

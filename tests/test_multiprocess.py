@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import ENGINE_KW
+from conftest import ENGINE_KW, TEST_XLA_FLAGS
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
@@ -39,7 +39,7 @@ def free_port() -> int:
 
 def process_env() -> dict:
     """Two CPU devices per process (the test process itself has four)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {TEST_XLA_FLAGS}")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     return env
 

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from dllm_jax.assets import DEFAULT_MODEL_PATH
+from conftest import TEST_XLA_FLAGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 API_KEY = "test-key-123"
@@ -68,7 +69,7 @@ def server(model_dir, tmp_path_factory):
     from serve.launch import ServerProcess
 
     log_path = tmp_path_factory.mktemp("serve_log") / "server.log"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_DEFAULT_MATMUL_PRECISION="highest", XLA_FLAGS="",
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_DEFAULT_MATMUL_PRECISION="highest", XLA_FLAGS=TEST_XLA_FLAGS,
                TOKENIZERS_PARALLELISM="false", PYTHONPATH=REPO)
     args = ["--model-path", model_dir, "--host", "127.0.0.1", "--max-running-requests", str(MAX_RUNNING),
             "--context-length", str(CONTEXT), "--max-prefill-tokens", str(PREFILL_TOKENS),

@@ -63,12 +63,17 @@ def test_cli_generate_prints_the_answer():
 
 
 def test_cli_eval_ends_with_one_json_line():
-    out = _cli("eval", "--num-prompts", "6", "--max-running-requests", "8").stdout
+    # SHIPPED_KW's limits and buckets: the device programs test_heldout_accuracy_and_tokens_per_forward compiled
+    buckets = SHIPPED_KW["shape_buckets"]
+    out = _cli("eval", "--num-prompts", "6", "--max-running-requests", str(SHIPPED_KW["max_running_requests"]),
+               "--context-length", str(SHIPPED_KW["context_length"]), "--num-kv-pages", str(SHIPPED_KW["num_kv_pages"]),
+               "--shape-buckets", json.dumps({k: list(v) for k, v in buckets.items()})).stdout
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["num_prompts"] == 6 and {"accuracy", "tokens_per_forward"} <= set(summary)
     assert summary["accuracy"] >= 0.8
 
 
+@pytest.mark.slow  # TP decisions are checked by tests/test_tp.py on small models against the float64 reference
 def test_tensor_parallel_answers_equal_single_device(make_engine):
     """TP 1 / 2 / 4 over the four virtual CPU devices: the same tokens, and they are right (4 q / 2 kv heads:
     at TP 4 the KV heads stay replicated)."""
