@@ -426,7 +426,14 @@ ALGO_PROMPTS = [[M, 2], [M, 2, M, 3], [5, 6, 7, 8, 9, 10], [3, 4]]
 ALGO_PARAMS = {"max_new_tokens": 10, "ignore_eos": True}
 
 
-@pytest.mark.parametrize("name,config", REFERENCE_ALGOS, ids=[f"{a}{'+' if c else ''}" for a, c in REFERENCE_ALGOS])
+# In the default suite: the algorithms no other default test runs through the engine against the float64 reference
+# (tests/test_reference_decisions.py has JointThreshold and EntropyThreshold); all of them with -m slow
+SLOW_ALGOS = {("JointThreshold", False), ("EntropyThreshold", False)}
+
+
+@pytest.mark.parametrize("name,config", [
+    pytest.param(a, c, id=f"{a}{'+' if c else ''}", marks=pytest.mark.slow if (a, bool(c)) in SLOW_ALGOS else ())
+    for a, c in REFERENCE_ALGOS])
 def test_every_algorithm_decides_as_the_reference_in_both_schedules(tiny_model, make_engine, tiny_oracle, name,
                                                                      config):
     for schedule in ("fdfo", "sync"):

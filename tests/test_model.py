@@ -12,8 +12,12 @@ import transformers
 
 from dllm_jax.config import ConfigError, ModelConfig
 from dllm_jax.model.loader import CheckpointError, convert_to_orbax, load_model
-from dllm_jax.model.qwen3 import block_causal_mask, forward_chunk, forward_full
+from dllm_jax.model import qwen3
+from dllm_jax.model.qwen3 import block_causal_mask, forward_chunk
 from pallas_kernels.paged_block_attention import paged_block_attention_reference
+
+# jitted, as everything that runs it in the engine or the trainer is (op by op, each primitive compiled on its own)
+forward_full = jax.jit(qwen3.forward_full, static_argnums=1, static_argnames="return_hidden")
 
 MASK_ID = 95
 

@@ -43,7 +43,7 @@ def moe_model(request, tmp_path_factory):
     return {"llada2": _llada2, "sdar_moe": _sdar_moe}[request.param](tmp_path_factory.mktemp(request.param))
 
 
-def test_moe_decides_as_the_reference_across_batching_schedules_and_expert_split(moe_model, make_engine):
+def test_moe_decides_as_the_reference_batched_and_with_experts_split(moe_model, make_engine):
     path, oracle, mask = moe_model
     prompts = [[5, 6, 7, 8, 9, 10], [3, 4], [mask, 2, mask, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
     kw = dict(ENGINE_KW, block_size=4)
@@ -51,15 +51,20 @@ def test_moe_decides_as_the_reference_across_batching_schedules_and_expert_split
     outs = [o["output_ids"] for o in batched.generate(input_ids=prompts, sampling_params=PARAMS)]
     oracle.verify_all(prompts, outs, 9)
     assert all(mask not in o for o in outs)
-    # One request at a time (batch 1) in the synchronous schedule.
-    single = make_engine(path, schedule="sync", **dict(kw, max_running_requests=1))
-    oracle.verify_all(prompts, [single.generate(input_ids=p, sampling_params=PARAMS)["output_ids"] for p in prompts], 9)
     # Experts over 4 devices (EP = 4): really split, same decisions.
     ep = make_engine(path, expert_parallel_size=4, **kw)
     moe_layer = next(layer for layer in ep.runner.params["layers"] if "moe" in layer)
     gate = moe_layer["moe"]["gate"]
     assert gate.sharding.spec[0] == "expert" and max(s.data.nbytes for s in gate.addressable_shards) * 4 == gate.nbytes
     oracle.verify_all(prompts, [o["output_ids"] for o in ep.generate(input_ids=prompts, sampling_params=PARAMS)], 9)
+
+
+@pytest.mark.slow  # the schedule and batch size do not touch the MoE layer; the batched FDFO run above checks it
+def test_moe_one_request_at_a_time_in_the_synchronous_schedule(moe_model, make_engine):
+    path, oracle, _ = moe_model
+    prompts = [[5, 6, 7, 8, 9, 10], [3, 4]]
+    single = make_engine(path, schedule="sync", **dict(ENGINE_KW, block_size=4, max_running_requests=1))
+    oracle.verify_all(prompts, [single.generate(input_ids=p, sampling_params=PARAMS)["output_ids"] for p in prompts], 9)
 
 
 def test_llada2_indel_through_engine(tmp_path, make_engine):

@@ -9,6 +9,8 @@ import pytest
 from dllm_jax.decode.xla_attention import attention_tiles, paged_block_attention_xla
 from pallas_kernels.paged_block_attention import paged_block_attention_reference
 
+reference = jax.jit(paged_block_attention_reference, static_argnames="block_size")  # one compile, not op by op
+
 
 def _inputs(block, chunk_blocks, rows=2, pages=12, width=4, seed=0):
     rng = np.random.default_rng(seed)
@@ -30,7 +32,7 @@ def test_equals_reference(block, chunk_blocks, q_tile, k_tile):
     q, k, v, kp, vp = _inputs(block, chunk_blocks)
     table = jnp.asarray([[7, 3, 9, 0], [2, 0, 0, 0]], jnp.int32)
     prefix = jnp.asarray([3 * block, block], jnp.int32)
-    ref = paged_block_attention_reference(q, k, v, kp, vp, table, prefix, block_size=block)
+    ref = reference(q, k, v, kp, vp, table, prefix, block_size=block)
     fn = jax.jit(lambda *a: paged_block_attention_xla(*a, block_size=block, q_tile=q_tile, k_tile=k_tile))
     out = fn(q, k, v, kp, vp, table, prefix)
     assert np.max(np.abs(np.asarray(out) - np.asarray(ref))) <= 2e-5
@@ -43,7 +45,7 @@ def test_reads_only_live_prefix_tiles():
     q, k, v, kp, vp = _inputs(block, 2, rows=3, width=8)
     table = np.asarray([[5, 6, 7, 8, 9, 10, 11, 1], [2, 3, 0, 0, 0, 0, 0, 0], [0] * 8], np.int32)
     prefix = jnp.asarray([3 * block, 2 * block, 0], jnp.int32)
-    ref = paged_block_attention_reference(q, k, v, kp, vp, jnp.asarray(table), prefix, block_size=block)
+    ref = reference(q, k, v, kp, vp, jnp.asarray(table), prefix, block_size=block)
     dead = [8, 9, 10, 11, 1]  # row 0's table beyond its 3 live pages
     kp[:, dead], vp[:, dead] = np.nan, np.nan
     fn = jax.jit(lambda *a: paged_block_attention_xla(*a, block_size=block, k_tile=block))
