@@ -5,6 +5,8 @@ Most engines here share ``ENGINE_KW``'s fixed shapes, so each (algorithm, schedu
 prefill step for the whole module; the tests about buckets and batch shapes set their own.
 """
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -473,6 +475,45 @@ def test_top_k_one_is_greedy(tiny_model, make_engine):
     greedy = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["output_ids"]
     out = engine.generate(input_ids=PROMPTS[0], sampling_params={**GREEDY, "temperature": 2.0, "top_k": 1})
     assert out["output_ids"] == greedy
+
+
+def _nucleus_reference(row_logits, k, p):
+    """The kept set of one position's logits under top-k / top-p, from the sorted order (NumPy, float64)."""
+    order = np.argsort(-row_logits, kind="stable")
+    vocab = len(row_logits)
+    k = vocab if k <= 0 else min(k, vocab)
+    if k >= vocab and p >= 1:
+        return np.ones(vocab, bool)
+    top = row_logits[order[:k]]
+    probs = np.exp(top - top.max())
+    probs /= probs.sum()
+    before = np.cumsum(probs) - probs
+    cutoff = top[before < p].min()
+    return row_logits >= cutoff
+
+
+def test_top_k_top_p_filter_per_row_and_skipped_when_no_row_filters():
+    """Each row keeps its own top-k / nucleus whatever shares its call; rows with k off and p = 1 keep everything,
+    and a call where no row filters returns the logits untouched (the sort is skipped on the device)."""
+    from dllm_jax.decode.step import _filter_top_k_top_p
+
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((5, 3, 40)).astype(np.float32) * 3
+    logits[2, 1, :10] = logits[2, 1, 0]  # ties at the top
+    top_k = np.array([0, 5, 0, 40, 3], np.int32)
+    top_p = np.array([1.0, 1.0, 0.5, 1.0, 0.8], np.float32)
+    filt = jax.jit(_filter_top_k_top_p)
+    out = np.asarray(filt(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p)))
+    for r in range(5):
+        alone = np.asarray(filt(jnp.asarray(logits[r:r + 1]), jnp.asarray(top_k[r:r + 1]), jnp.asarray(top_p[r:r + 1])))
+        np.testing.assert_array_equal(out[r], alone[0])  # the same kept set in any batch
+        for t in range(3):
+            kept = np.isfinite(out[r, t])
+            np.testing.assert_array_equal(kept, _nucleus_reference(logits[r, t].astype(np.float64), top_k[r], top_p[r]))
+            np.testing.assert_array_equal(out[r, t][kept], logits[r, t][kept])
+    assert np.isfinite(out[[0, 3]]).all()
+    off = np.asarray(filt(jnp.asarray(logits), jnp.zeros(5, jnp.int32), jnp.ones(5, jnp.float32)))
+    np.testing.assert_array_equal(off, logits)
 
 
 @pytest.mark.parametrize("tie", [True, pytest.param(False, marks=pytest.mark.slow)])

@@ -156,7 +156,16 @@ def _exclude_mask(logits, mask_id):
 
 
 def _filter_top_k_top_p(scaled, top_k, top_p):
-    """Set to -inf every logit outside the row's top-k / nucleus (per-row k and p; k <= 0 and p >= 1 are off)."""
+    """Set to -inf every logit outside the row's top-k / nucleus (per-row k and p; k <= 0 or k >= V, and p >= 1
+    are off: such a row keeps its whole vocabulary, as SGLang samples it without a top-k / top-p pass). The sort
+    over the vocabulary runs only when some row of the call filters (a device-side ``lax.cond``): it was two thirds
+    of a sampled step of the shipped model (measured: 54 vs 20 ms per 8-row call)."""
+    vocab = scaled.shape[-1]
+    filters = ((top_k > 0) & (top_k < vocab)) | (top_p < 1)
+    return jax.lax.cond(jnp.any(filters), _top_k_top_p, lambda s, *_: s, scaled, top_k, top_p, filters)
+
+
+def _top_k_top_p(scaled, top_k, top_p, filters):
     vocab = scaled.shape[-1]
     sorted_desc = -jnp.sort(-scaled, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)[:, None, None]
@@ -167,7 +176,9 @@ def _filter_top_k_top_p(scaled, top_k, top_p):
     keep = before < top_p[:, None, None]
     smallest_kept = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
     cutoff = jnp.maximum(kth, smallest_kept)
-    return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+    # a row that does not filter keeps everything whatever its neighbours do (a cumulative sum that rounds up
+    # to p = 1 before the last token must not drop it in one batch and keep it in another)
+    return jnp.where((scaled >= cutoff) | ~filters[:, None, None], scaled, -jnp.inf)
 
 
 def _sample(logits, batch: DenoiseBatch):
