@@ -1,4 +1,4 @@
-"""``python -m bench.features``: what log probabilities and penalties cost per denoise step (issue 18).
+"""``python -m bench.features``: what log probabilities, penalties and sampling cost per denoise step (issue 18).
 
 One FDFO denoise call of ``--rows`` rows (default 32; each an all-mask block of B positions after ``--prefix-pages``
 pages of prefix) through ``ModelRunner.denoise`` (host packing, the jitted step, the host sync), timed for the plain
@@ -8,10 +8,13 @@ step and for every variant a request can select:
 * ``logprobs``: some row wants the written tokens' log probabilities (fused path: one LM-head column gather);
 * ``logprobs+top20``: and alternatives (an extra pass over the LM head in vocabulary tiles);
 * ``penalties``: some row has a penalty / bias (the logits are materialised and penalised);
-* ``penalties+logprobs+top20``.
+* ``penalties+logprobs+top20``;
+* ``sampled``: every row samples at temperature 0.8 with top-k and top-p off (the logits are materialised, no sort);
+* ``sampled+top_p0.95`` / ``sampled+top_k50``: and filters (the sort over the vocabulary runs).
 
 Each variant compiles first; then the variants are timed round-robin (a busy machine slows them alike) and the
-median of ``--reps`` calls is reported with its ratio to ``plain``. Greedy rows; the shipped model by default.
+median of ``--reps`` calls is reported with its ratio to ``plain``. Greedy rows but in the sampled variants; the
+shipped model by default.
 
     python -m bench.features [--model-path DIR] [--rows 32] [--prefix-pages 4] [--reps 30] [--out bench_out/features.json]
 """
@@ -26,12 +29,15 @@ import time
 
 import numpy as np
 
-VARIANTS = {  # name -> (logprobs per row: -1 none / 0 tokens / k alternatives, penalised)
-    "plain": (-1, False),
-    "logprobs": (0, False),
-    "logprobs+top20": (20, False),
-    "penalties": (-1, True),
-    "penalties+logprobs+top20": (20, True),
+VARIANTS = {  # name -> (logprobs per row: -1 none / 0 tokens / k alternatives, penalised, temperature, top_k, top_p)
+    "plain": (-1, False, 0.0, -1, 1.0),
+    "logprobs": (0, False, 0.0, -1, 1.0),
+    "logprobs+top20": (20, False, 0.0, -1, 1.0),
+    "penalties": (-1, True, 0.0, -1, 1.0),
+    "penalties+logprobs+top20": (20, True, 0.0, -1, 1.0),
+    "sampled": (-1, False, 0.8, -1, 1.0),
+    "sampled+top_p0.95": (-1, False, 0.8, -1, 0.95),
+    "sampled+top_k50": (-1, False, 0.8, 50, 1.0),
 }
 
 
@@ -51,11 +57,11 @@ def measure(model_path: str | None = None, rows: int = 32, prefix_pages: int = 4
     penalty = PenaltyRow(history=history, prompt_len=len(history) // 2, presence=0.5, frequency=0.3,
                          repetition=1.2, bias=((5, 2.0), (7, -1.0)))
 
-    def batch(logprobs: int, penalised: bool) -> list:
+    def batch(logprobs: int, penalised: bool, temperature: float, top_k: int, top_p: float) -> list:
         return [DecodeRow(tokens=np.full(B, engine.mask_token_id, np.int32), immutable=np.zeros(B, np.bool_),
                           prefix_pages=list(range(1 + i * prefix_pages, 1 + (i + 1) * prefix_pages)),
-                          write_page=1 + rows * prefix_pages, steps_taken=0, temperature=0.0, top_k=-1, top_p=1.0,
-                          seed=0, rng_step=0, algo_state=None, logprobs=logprobs,
+                          write_page=1 + rows * prefix_pages, steps_taken=0, temperature=temperature, top_k=top_k,
+                          top_p=top_p, seed=i, rng_step=0, algo_state=None, logprobs=logprobs,
                           penalty=penalty if penalised else None) for i in range(rows)]
 
     batches = {name: batch(*v) for name, v in VARIANTS.items()}
