@@ -493,27 +493,32 @@ def _nucleus_reference(row_logits, k, p):
 
 
 def test_top_k_top_p_filter_per_row_and_skipped_when_no_row_filters():
-    """Each row keeps its own top-k / nucleus whatever shares its call; rows with k off and p = 1 keep everything,
-    and a call where no row filters returns the logits untouched (the sort is skipped on the device)."""
+    """Each sampled row keeps its own top-k / nucleus whatever shares its call; rows with k off and p = 1, and greedy
+    rows (their draw is not used), keep everything, and a call where no sampled row filters returns the logits
+    untouched (the sort is skipped on the device)."""
     from dllm_jax.decode.step import _filter_top_k_top_p
 
     rng = np.random.default_rng(0)
-    logits = rng.standard_normal((5, 3, 40)).astype(np.float32) * 3
+    logits = rng.standard_normal((6, 3, 40)).astype(np.float32) * 3
     logits[2, 1, :10] = logits[2, 1, 0]  # ties at the top
-    top_k = np.array([0, 5, 0, 40, 3], np.int32)
-    top_p = np.array([1.0, 1.0, 0.5, 1.0, 0.8], np.float32)
+    temperature = np.array([1.0, 1.0, 1.0, 1.0, 1.0, 0.0], np.float32)
+    top_k = np.array([0, 5, 0, 40, 3, 2], np.int32)
+    top_p = np.array([1.0, 1.0, 0.5, 1.0, 0.8, 0.5], np.float32)
     filt = jax.jit(_filter_top_k_top_p)
-    out = np.asarray(filt(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p)))
-    for r in range(5):
-        alone = np.asarray(filt(jnp.asarray(logits[r:r + 1]), jnp.asarray(top_k[r:r + 1]), jnp.asarray(top_p[r:r + 1])))
+    args = [jnp.asarray(a) for a in (logits, temperature, top_k, top_p)]
+    out = np.asarray(filt(*args))
+    for r in range(6):
+        alone = np.asarray(filt(*[a[r:r + 1] for a in args]))
         np.testing.assert_array_equal(out[r], alone[0])  # the same kept set in any batch
         for t in range(3):
             kept = np.isfinite(out[r, t])
-            np.testing.assert_array_equal(kept, _nucleus_reference(logits[r, t].astype(np.float64), top_k[r], top_p[r]))
+            k, p = (top_k[r], top_p[r]) if temperature[r] > 0 else (0, 1.0)
+            np.testing.assert_array_equal(kept, _nucleus_reference(logits[r, t].astype(np.float64), k, p))
             np.testing.assert_array_equal(out[r, t][kept], logits[r, t][kept])
-    assert np.isfinite(out[[0, 3]]).all()
-    off = np.asarray(filt(jnp.asarray(logits), jnp.zeros(5, jnp.int32), jnp.ones(5, jnp.float32)))
-    np.testing.assert_array_equal(off, logits)
+    assert np.isfinite(out[[0, 3, 5]]).all()
+    for off in ([np.ones(6, np.float32), np.zeros(6, np.int32), np.ones(6, np.float32)],  # sampled, filters off
+                [np.zeros(6, np.float32), top_k, top_p]):  # greedy rows with filters set
+        np.testing.assert_array_equal(np.asarray(filt(jnp.asarray(logits), *map(jnp.asarray, off))), logits)
 
 
 @pytest.mark.parametrize("tie", [True, pytest.param(False, marks=pytest.mark.slow)])

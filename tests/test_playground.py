@@ -34,7 +34,8 @@ def server(tmp_path_factory):
     from serve.launch import ServerProcess
 
     log_path = tmp_path_factory.mktemp("playground_log") / "server.log"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=TEST_XLA_FLAGS, TOKENIZERS_PARALLELISM="false", PYTHONPATH=REPO)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=TEST_XLA_FLAGS, TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=REPO)
     args = ["--model-path", DEFAULT_MODEL_PATH, "--max-running-requests", str(MAX_RUNNING), "--context-length",
             str(CONTEXT), "--max-prefill-tokens", str(PREFILL_TOKENS), "--shape-buckets", json.dumps(SHAPE_BUCKETS),
             "--no-warmup", "--api-key", API_KEY, "--log-level", "warning", "--no-access-log"]

@@ -155,13 +155,14 @@ def _exclude_mask(logits, mask_id):
     return logits.at[..., mask_id].set(-jnp.inf)
 
 
-def _filter_top_k_top_p(scaled, top_k, top_p):
+def _filter_top_k_top_p(scaled, temperature, top_k, top_p):
     """Set to -inf every logit outside the row's top-k / nucleus (per-row k and p; k <= 0 or k >= V, and p >= 1
-    are off: such a row keeps its whole vocabulary, as SGLang samples it without a top-k / top-p pass). The sort
-    over the vocabulary runs only when some row of the call filters (a device-side ``lax.cond``): it was two thirds
-    of a sampled step of the shipped model (measured: 54 vs 20 ms per 8-row call)."""
+    are off: such a row keeps its whole vocabulary, as SGLang samples it without a top-k / top-p pass; so does a
+    greedy row, whose draw is not used). The sort over the vocabulary runs only when some sampled row of the call
+    filters (a device-side ``lax.cond``): without filters a sampled step of the shipped model costs a third of what
+    it did with the sort (``python -m bench.features``, bench/RESULTS.md)."""
     vocab = scaled.shape[-1]
-    filters = ((top_k > 0) & (top_k < vocab)) | (top_p < 1)
+    filters = (temperature > 0) & (((top_k > 0) & (top_k < vocab)) | (top_p < 1))
     return jax.lax.cond(jnp.any(filters), _top_k_top_p, lambda s, *_: s, scaled, top_k, top_p, filters)
 
 
@@ -185,7 +186,7 @@ def _sample(logits, batch: DenoiseBatch):
     """Draw a token per position for every row; returns (tokens, relative confidence). Greedy rows ignore it."""
     temperature = jnp.where(batch.temperature > 0, batch.temperature, 1.0)
     scaled = logits / temperature[:, None, None]
-    filtered = _filter_top_k_top_p(scaled, batch.top_k, batch.top_p)
+    filtered = _filter_top_k_top_p(scaled, batch.temperature, batch.top_k, batch.top_p)
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(batch.seed, batch.rng_step)
     drawn = jax.vmap(lambda k, z: jax.random.categorical(k, z, axis=-1))(keys, filtered).astype(jnp.int32)
     top = jnp.max(logits, axis=-1)
