@@ -38,7 +38,7 @@ from dllm_jax.decode import logprobs as lp
 from dllm_jax.decode.backends import attention_function, confidence_stats
 from dllm_jax.decode.packing import RowLayout
 from dllm_jax.decode.penalties import Penalties, apply_penalties
-from dllm_jax.model.qwen3 import forward_chunk, logits_from_hidden
+from dllm_jax.model.qwen3 import forward_chunk, forward_chunk_kv, forward_chunk_rest, logits_from_hidden
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,10 +133,13 @@ RNG_STEPS_PER_BLOCK = 4096  # a step's sampling key folds in block index x this 
 CHAIN_STOP_IDS = 8  # width of the stop-id table of a chaining row (a request with more stop ids does not chain)
 
 
+def _attention(spec: StepSpec):
+    return attention_function(spec.attention_backend, spec.mesh, spec.model)
+
+
 def _model_forward(params, kv_pages, tokens, page_table, prefix_len, write_pages, spec: StepSpec):
     return forward_chunk(params, spec.model, tokens, kv_pages, page_table, prefix_len, write_pages,
-                         block_size=spec.block_size,
-                         attention_fn=attention_function(spec.attention_backend, spec.mesh, spec.model))
+                         block_size=spec.block_size, attention_fn=_attention(spec))
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("kv_pages",))
@@ -269,9 +272,37 @@ def _record(params, scores: _Scores, old_tokens, new_tokens, spec: StepSpec) -> 
 
 def _one_step(params, kv_pages, batch: DenoiseBatch, tokens, state, steps_taken, spec: StepSpec):
     """Forward over the blocks, then one algorithm update. Returns (kv_pages, tokens, done, fresh_kv, state,
-    logprob record or None)."""
-    hidden, kv_pages = _model_forward(params, kv_pages, tokens, batch.page_table, batch.prefix_len,
-                                      batch.write_page[:, None], spec)
+    logprob record or None).
+
+    A commit forward stops once it has written the K/V: when no row of the call has a position left to decode, a
+    foldable algorithm's update is known before the forward (nothing changes, every row is done, its K/V now
+    exact), so the rest of the forward (the last layer's attention and MLP, the head, the confidence selection)
+    runs under a ``lax.cond`` that skips it. The K/V come from the same computation either way. At one request on
+    CPU this is the last of every block's ~4-5 forwards (bench/RESULTS.md)."""
+    kv_pages, last = forward_chunk_kv(params, spec.model, tokens, kv_pages, batch.page_table, batch.prefix_len,
+                                      batch.write_page[:, None], block_size=spec.block_size,
+                                      attention_fn=_attention(spec))
+
+    def decode(last):
+        hidden = forward_chunk_rest(params, spec.model, last, kv_pages, batch.page_table, batch.prefix_len,
+                                    block_size=spec.block_size, attention_fn=_attention(spec))
+        return _update(params, hidden, batch, tokens, state, steps_taken, spec)
+
+    if not spec.algorithm.foldable:
+        return (kv_pages, *decode(last))
+
+    def settled_update(last):
+        """What :func:`_update` returns when no row has anything left to decode."""
+        done = jnp.ones(tokens.shape[:1], jnp.bool_)
+        record = lp.empty_record(*tokens.shape, spec.top_logprobs) if spec.logprobs else None
+        return tokens, done, done, state, record
+
+    settled = ~jnp.any((tokens == spec.mask_id) & ~batch.immutable)
+    return (kv_pages, *jax.lax.cond(settled, settled_update, decode, last))
+
+
+def _update(params, hidden, batch: DenoiseBatch, tokens, state, steps_taken, spec: StepSpec):
+    """Candidates from the hidden states, then the algorithm. Returns (tokens, done, fresh_kv, state, record)."""
     step_batch = dataclasses.replace(batch, tokens=tokens,
                                      rng_step=batch.rng_step + steps_taken - batch.steps_taken)
     cand, scores = candidates(params, hidden, step_batch, spec)
@@ -290,7 +321,7 @@ def _one_step(params, kv_pages, batch: DenoiseBatch, tokens, state, steps_taken,
         resolved = ~jnp.any((new_tokens == spec.mask_id) & ~immutable, axis=-1)
         done = done | resolved
     record = _record(params, scores, tokens, new_tokens, spec) if spec.logprobs else None
-    return kv_pages, new_tokens, done, fresh, state, record
+    return new_tokens, done, fresh, state, record
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("kv_pages",))

@@ -12,13 +12,15 @@ Two entry points:
 
 * :func:`forward_full` -- a whole sequence under an arbitrary boolean attention mask (tests, training).
 * :func:`forward_chunk` -- the engine's path: a chunk of ``C`` blocks per row against that row's paged
-  prefix KV, writing the chunk's K/V into its pages. A denoise step is a chunk of one block.
+  prefix KV, writing the chunk's K/V into its pages. A denoise step is a chunk of one block. It runs in two
+  parts, :func:`forward_chunk_kv` (everything that writes K/V) and :func:`forward_chunk_rest`.
 
 Logits at position ``i`` predict token ``i`` (no shift): that is how SDAR is trained.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -294,18 +296,60 @@ def forward_chunk(params: Params, cfg: ModelConfig, tokens, kv_pages, page_table
     padding). ``attention_fn`` has the signature of
     :func:`pallas_kernels.paged_block_attention.paged_block_attention_reference`.
     Returns (final hidden states ``[R, C*B, H]``, new kv_pages).
+
+    It is :func:`forward_chunk_kv` then :func:`forward_chunk_rest`; a caller that may not need the hidden states
+    (the engine's commit forward) calls the two itself.
     """
+    kv_pages, last = forward_chunk_kv(params, cfg, tokens, kv_pages, page_table, prefix_len, write_pages,
+                                      block_size=block_size, attention_fn=attention_fn)
+    hidden = forward_chunk_rest(params, cfg, last, kv_pages, page_table, prefix_len, block_size=block_size,
+                                attention_fn=attention_fn)
+    return hidden, kv_pages
+
+
+def forward_chunk_kv(params: Params, cfg: ModelConfig, tokens, kv_pages, page_table, prefix_len, write_pages,
+                     *, block_size: int, attention_fn):
+    """The part of :func:`forward_chunk` that writes K/V: every layer but the last runs whole; the last one
+    projects, normalises and rotates its q/k/v and writes its K/V. Returns (new kv_pages, ``last``: that layer's
+    input and q/k/v, for :func:`forward_chunk_rest`). A forward whose hidden states turn out not to be needed
+    stops here, having written exactly the K/V of the full forward (the same computation)."""
     num_rows, chunk_len = tokens.shape
-    num_blocks = chunk_len // block_size
     positions = prefix_len[:, None] + jnp.arange(chunk_len, dtype=prefix_len.dtype)[None, :]
     x = params["embed"][tokens]
     flat_pages = write_pages.reshape(-1)
+    kv_fn, rest_fn = _layer_fns(cfg, num_rows, chunk_len, block_size, attention_fn)
+    new_pages = []
+    layers = params["layers"]
+    for i, (layer, (k_pool, v_pool)) in enumerate(zip(layers, kv_pages)):
+        q, k, v, k_pool, v_pool = kv_fn(layer, x, k_pool, v_pool, positions, flat_pages)
+        new_pages.append((k_pool, v_pool))
+        if i == len(layers) - 1:
+            return new_pages, (x, q, k, v)
+        x = rest_fn(layer, x, q, k, v, k_pool, v_pool, page_table, prefix_len)
 
-    # One jit for a layer, called once per layer: layers of the same shape trace and lower once per call shape
-    # instead of once per layer (a 16-layer model's start spent most of its warm-cache time tracing), and XLA
-    # inlines the calls, so the compiled program is the same as with the layers written out.
+
+def forward_chunk_rest(params: Params, cfg: ModelConfig, last, kv_pages, page_table, prefix_len, *,
+                       block_size: int, attention_fn):
+    """The rest of :func:`forward_chunk` after :func:`forward_chunk_kv`: the last layer's attention and MLP, then
+    the final norm. Returns the final hidden states ``[R, C*B, H]``."""
+    x, q, k, v = last
+    num_rows, chunk_len = x.shape[:2]
+    _, rest_fn = _layer_fns(cfg, num_rows, chunk_len, block_size, attention_fn)
+    k_pool, v_pool = kv_pages[-1]
+    x = rest_fn(params["layers"][-1], x, q, k, v, k_pool, v_pool, page_table, prefix_len)
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+
+
+@functools.lru_cache(maxsize=64)
+def _layer_fns(cfg: ModelConfig, num_rows: int, chunk_len: int, block_size: int, attention_fn):
+    """A layer as two jitted halves, (q/k/v + K/V write, attention + MLP), each called once per layer: layers of
+    the same shape trace and lower once per call shape instead of once per layer (a 16-layer model's start spent
+    most of its warm-cache time tracing), and XLA inlines the calls, so the compiled program is the same as with
+    the layers written out."""
+    num_blocks = chunk_len // block_size
+
     @jax.jit
-    def layer_fn(layer, x, k_pool, v_pool, positions, flat_pages, page_table, prefix_len):
+    def kv_fn(layer, x, k_pool, v_pool, positions, flat_pages):
         h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
         q, k, v = _qkv(layer, h, positions, cfg)
         with jax.named_scope("kv_write"):
@@ -318,20 +362,19 @@ def forward_chunk(params: Params, cfg: ModelConfig, tokens, kv_pages, page_table
                 return kv_to_storage(t.transpose(2, 0, 1, 3), k_pool.dtype)
             k_pool = k_pool.at[:, flat_pages].set(to_pages(k))
             v_pool = v_pool.at[:, flat_pages].set(to_pages(v))
+        return q, k, v, k_pool, v_pool
+
+    @jax.jit
+    def rest_fn(layer, x, q, k, v, k_pool, v_pool, page_table, prefix_len):
         with jax.named_scope("attention"):
             attn = attention_fn(q, k, v, kv_values(k_pool), kv_values(v_pool), page_table, prefix_len,
                                 block_size=block_size)
             x = x + _out_proj(layer, attn.reshape(num_rows, chunk_len, cfg.q_size))
         with jax.named_scope("mlp"):
             x = x + _mlp(layer, x, cfg)
-        return x, k_pool, v_pool
+        return x
 
-    new_pages = []
-    for layer, (k_pool, v_pool) in zip(params["layers"], kv_pages):
-        x, k_pool, v_pool = layer_fn(layer, x, k_pool, v_pool, positions, flat_pages, page_table, prefix_len)
-        new_pages.append((k_pool, v_pool))
-    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    return hidden, new_pages
+    return kv_fn, rest_fn
 
 
 def num_params(params: Params) -> int:
