@@ -9,7 +9,9 @@ charging the bucket's whole width would inflate the floor). A call that looped `
 forwards on the device (the FDFO loop, the synchronous schedule) is charged what a bare call looping ``n``
 forwards costs: ``fixed + n * per_forward``, both fitted per bucket from bare calls of 1 and of 8 forwards (3
 when one forward takes over 50 ms) in a ``fori_loop`` (on a GPU the launch and sync of a small model's call cost
-more than its forward: charging ``n`` separate calls would put the floor above the engine). ``wall / floor`` is
+more than its forward: charging ``n`` separate calls would put the floor above the engine). The call's commit
+forwards that stopped after writing the K/V (the engine reports how many) are charged as bare K/V-only forwards,
+so the floor is the work the engine needed, not more. ``wall / floor`` is
 what the engine adds on top of the forwards it chose to run: host work between calls, the algorithm and sampling
 on the device, the host sync. How good the choice of forwards was is reported beside it: padding rows and padded
 page-table width (as fractions of rows and of the FLOPs of the calls), refresh rows, prefill calls, tokens per
@@ -56,8 +58,9 @@ class BareForward:
             return kv, (out[1][:, 0] + out[0][:, 0] if select else out[:, 0, 0])
 
         @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("select",))
-        def bare(params, kv, tokens, table, prefix, write, loops, *, select):
-            """``loops`` forwards back to back (traced: one executable per bucket serves every count)."""
+        def bare(params, kv, tokens, table, prefix, write, loops, kv_loops=0, *, select):
+            """``loops`` forwards back to back, then ``kv_loops`` commit forwards (K/V only, as the engine's step
+            runs them); traced counts: one executable per bucket serves every count."""
             kv, out = once(params, kv, tokens, table, prefix, write, select)
 
             def body(_, carry):  # each forward reads the K/V the previous one wrote: nothing is hoisted
@@ -65,7 +68,13 @@ class BareForward:
                 kv, out = once(params, kv, tokens, table, prefix, write, select)
                 return kv, acc + out
 
-            return jax.lax.fori_loop(1, loops, body, (kv, out))
+            def kv_body(_, carry):
+                kv, acc = carry
+                kv, _ = forward(params, kv, tokens, table, prefix, write, None)
+                return kv, acc
+
+            carry = jax.lax.fori_loop(1, loops, body, (kv, out))
+            return jax.lax.fori_loop(0, kv_loops, kv_body, carry)
 
         self._bare = bare
         self._memo: dict[tuple, float] = {}
@@ -83,9 +92,10 @@ class BareForward:
         return min(width, -(-prefix_pages // tile) * tile)
 
     def seconds(self, kind: str, rows: int, width: int, blocks: int, iterations: int = 1,
-                prefix_pages: int | None = None) -> float:
-        """The bare time of one call of this bucket that runs ``iterations`` forwards on the device, every row
-        after ``prefix_pages`` pages of prefix (default: the whole width)."""
+                prefix_pages: int | None = None, kv_only: int = 0) -> float:
+        """The bare time of one call of this bucket that runs ``iterations`` forwards on the device, ``kv_only``
+        of them commit forwards (K/V only), every row after ``prefix_pages`` pages of prefix (default: the whole
+        width)."""
         live = width if prefix_pages is None else self.live_pages(rows, width, blocks, prefix_pages)
         key = (kind, rows, width, blocks, live)
         if key not in self._memo:
@@ -95,7 +105,13 @@ class BareForward:
             per_forward = max((many - one) / (loops - 1), 0.0)
             self._memo[key] = (max(one - per_forward, 0.0), per_forward)
         fixed, per_forward = self._memo[key]
-        return fixed + iterations * per_forward
+        if not kv_only:
+            return fixed + iterations * per_forward
+        if key + ("kv",) not in self._memo:
+            loops = self.LOOPS if fixed + per_forward < 0.05 else 3
+            with_kv = self._measure(kind, rows, width, blocks, 1, live, kv_loops=loops)
+            self._memo[key + ("kv",)] = max((with_kv - fixed - per_forward) / loops, 0.0)
+        return fixed + (iterations - kv_only) * per_forward + kv_only * self._memo[key + ("kv",)]
 
     def _inputs(self, rows, width, blocks, live):
         """A bare call's inputs: random tokens, a table of distinct real pages, ``live`` pages of prefix per row,
@@ -122,7 +138,9 @@ class BareForward:
         for c in calls:
             live = self.live_pages(c.rows, c.width, c.blocks, c.max_prefix_pages)
             run = functools.partial(self._bare, select=c.kind == "denoise")
-            args = (*self._inputs(c.rows, c.width, c.blocks, live), np.int32(max(1, c.iterations)))
+            full = max(1, c.iterations - c.kv_only)  # a bare call runs at least one full forward
+            args = (*self._inputs(c.rows, c.width, c.blocks, live), np.int32(full),
+                    np.int32(c.iterations - full))
             plan.append((run, jax.device_put(args)))
 
         def one_pass() -> float:
@@ -135,12 +153,13 @@ class BareForward:
         one_pass()  # compiles
         return one_pass
 
-    def _measure(self, kind, rows, width, blocks, loops, live, min_time: float = 0.25, max_reps: int = 50):
+    def _measure(self, kind, rows, width, blocks, loops, live, min_time: float = 0.25, max_reps: int = 50,
+                 kv_loops: int = 0):
         import jax
 
         tokens, table, prefix, write = self._inputs(rows, width, blocks, live)
         select = kind == "denoise"
-        run = functools.partial(self._bare, loops=np.int32(loops), select=select)
+        run = functools.partial(self._bare, loops=np.int32(loops), kv_loops=np.int32(kv_loops), select=select)
         self.pool, out = run(self.runner.params, self.pool, tokens, table, prefix, write)
         jax.block_until_ready(out)  # compile + first run
         t0 = time.perf_counter()
@@ -212,7 +231,8 @@ def run_once(engine, work: Workload, bare: BareForward, repeats: int = 1) -> dic
         replay_s = min(replay_s, replay())
     r, calls, dlog = best
     B = engine.block_size
-    floor = sum(bare.seconds(c.kind, c.rows, c.width, c.blocks, c.iterations, c.max_prefix_pages) for c in calls)
+    floor = sum(bare.seconds(c.kind, c.rows, c.width, c.blocks, c.iterations, c.max_prefix_pages, c.kv_only)
+                for c in calls)
     device = sum(t2 - t0 for _, t0, _, t2 in dlog)
     prefill_calls = [c for c in calls if c.kind == "prefill"]
     denoise_calls = [c for c in calls if c.kind == "denoise"]
@@ -233,6 +253,7 @@ def run_once(engine, work: Workload, bare: BareForward, repeats: int = 1) -> dic
         "device_s": device, "device_over_floor_s": device - floor,
         "prefill_calls": len(prefill_calls), "prefill_floor_s": prefill_floor,
         "denoise_calls": len(denoise_calls), "forwards": sum(c.iterations for c in calls),
+        "kv_only_forwards": sum(c.kv_only for c in calls),
         "padding_rows_frac": 1 - rows_real / rows_paid if rows_paid else 0.0,
         "padding_width_frac": 1 - width_real / width_paid if width_paid else 0.0,
         "padding_flops_frac": flops_pad, "padding_attention_flops_frac": attn_pad,
@@ -288,7 +309,8 @@ def efficiency(ctx: Ctx) -> dict:
                              r["replay_floor_s"], r["wall_over_replay"],
                              100 * r["host_frac"], r["device_over_floor_s"], r["prefill_calls"],
                              100 * r["padding_rows_frac"], 100 * r["padding_flops_frac"],
-                             100 * r["padding_width_frac"], 100 * r["refresh_rows_frac"], r["tokens_per_forward"],
+                             100 * r["padding_width_frac"], 100 * r["refresh_rows_frac"],
+                             100 * r["kv_only_forwards"] / max(r["forwards"], 1), r["tokens_per_forward"],
                              r["tokens_per_s"]])
                 ctx.log(f"efficiency {name} {schedule} x{level}: wall {r['wall_s']:.2f} s, floor {r['floor_s']:.2f} s "
                         f"({r['wall_over_floor']:.2f}x)")
@@ -300,7 +322,8 @@ def efficiency(ctx: Ctx) -> dict:
     text = table("efficiency: wall vs the bare forwards of the same calls (floor); where the rest goes",
                  ["model", "schedule", "requests", "wall s", "floor s", "wall/floor", "replay s", "wall/replay",
                   "host %", "algo+sync s",
-                  "prefill calls", "pad rows %", "pad FLOPs %", "pad width %", "refresh %", "tok/fwd", "tok/s"],
+                  "prefill calls", "pad rows %", "pad FLOPs %", "pad width %", "refresh %", "K/V-only fwd %",
+                  "tok/fwd", "tok/s"],
                  rows)
 
     def plot(path):

@@ -82,3 +82,20 @@ def _shipped_path():
     from dllm_jax.assets import DEFAULT_MODEL_PATH
 
     return DEFAULT_MODEL_PATH
+
+
+@pytest.mark.parametrize("schedule", ["fdfo", "sync"])
+def test_one_request_ends_every_block_with_a_kv_only_forward(schedule, tiny_model, make_engine):
+    """At one request every block's last forward is its commit forward, and the engine reports each as K/V-only
+    (the efficiency bench charges those as such). The forwards add up to the request's count."""
+    engine = make_engine(tiny_model, schedule=schedule, max_running_requests=2)
+    engine.runner.call_log = calls = []
+    prompt, max_new = [5, 6, 7, 8, 9, 10], 13
+    out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": max_new, "temperature": 0})
+    engine.runner.call_log = None
+    block = engine.block_size
+    blocks = -(-(len(prompt) + max_new) // block) - len(prompt) // block
+    denoise_calls = [c for c in calls if c.kind == "denoise"]
+    assert len(out["output_ids"]) == max_new
+    assert sum(c.kv_only for c in denoise_calls) == blocks
+    assert sum(c.iterations for c in calls) == out["meta_info"]["forward_passes"]

@@ -122,6 +122,8 @@ class DenoiseResult:
     state: State
     fresh_kv: jax.Array  # [R] bool: the block's page holds the KV of its final tokens (else: refresh it)
     logprobs: lp.LogprobRecord | None = None  # only in the logprobs variant
+    # [R] int32, the same in every row: forwards of this call that were commit forwards (K/V only, see _one_step)
+    kv_only: jax.Array | None = None
     # With ``spec.chain``: the blocks a row completed and chained past in this call, oldest first (``tokens``,
     # ``steps`` and the rest describe the row's block after them).
     chain_blocks: jax.Array | None = None  # [R] int32
@@ -272,7 +274,7 @@ def _record(params, scores: _Scores, old_tokens, new_tokens, spec: StepSpec) -> 
 
 def _one_step(params, kv_pages, batch: DenoiseBatch, tokens, state, steps_taken, spec: StepSpec):
     """Forward over the blocks, then one algorithm update. Returns (kv_pages, tokens, done, fresh_kv, state,
-    logprob record or None).
+    logprob record or None, whether it was a K/V-only commit forward).
 
     A commit forward stops once it has written the K/V: when no row of the call has a position left to decode, a
     foldable algorithm's update is known before the forward (nothing changes, every row is done, its K/V now
@@ -289,7 +291,7 @@ def _one_step(params, kv_pages, batch: DenoiseBatch, tokens, state, steps_taken,
         return _update(params, hidden, batch, tokens, state, steps_taken, spec)
 
     if not spec.algorithm.foldable:
-        return (kv_pages, *decode(last))
+        return (kv_pages, *decode(last), jnp.bool_(False))
 
     def settled_update(last):
         """What :func:`_update` returns when no row has anything left to decode."""
@@ -298,7 +300,7 @@ def _one_step(params, kv_pages, batch: DenoiseBatch, tokens, state, steps_taken,
         return tokens, done, done, state, record
 
     settled = ~jnp.any((tokens == spec.mask_id) & ~batch.immutable)
-    return (kv_pages, *jax.lax.cond(settled, settled_update, decode, last))
+    return (kv_pages, *jax.lax.cond(settled, settled_update, decode, last), settled)
 
 
 def _update(params, hidden, batch: DenoiseBatch, tokens, state, steps_taken, spec: StepSpec):
@@ -335,10 +337,11 @@ def denoise(params, kv_pages, batch: DenoiseBatch, state: State, *, spec: StepSp
     during this call (the synchronous loop carries them, so each committed position keeps the forward in which it
     was written)."""
     if not (spec.loop or spec.first_done):
-        kv_pages, tokens, done, fresh, state, record = _one_step(params, kv_pages, batch, batch.tokens, state,
-                                                                 batch.steps_taken, spec)
+        kv_pages, tokens, done, fresh, state, record, settled = _one_step(
+            params, kv_pages, batch, batch.tokens, state, batch.steps_taken, spec)
         return kv_pages, DenoiseResult(tokens=tokens, done=done, steps=jnp.ones_like(batch.steps_taken),
-                                       state=state, fresh_kv=fresh, logprobs=record)
+                                       state=state, fresh_kv=fresh, logprobs=record,
+                                       kv_only=_per_row(settled.astype(jnp.int32), batch))
 
     live = ~jnp.all(batch.immutable, axis=-1)  # rows with something to decode (not padding, not refresh rows)
     chain = spec.chain
@@ -353,7 +356,7 @@ def denoise(params, kv_pages, batch: DenoiseBatch, state: State, *, spec: StepSp
     def body(c):
         # The row's current block: the call's own, or (chaining) a later one started on the device.
         row = dataclasses.replace(batch, tokens=c["tokens"], **{k: c[k] for k in _ROW_FIELDS if k in c})
-        kv, new_tokens, new_done, new_fresh, new_state, new_record = _one_step(
+        kv, new_tokens, new_done, new_fresh, new_state, new_record, settled = _one_step(
             params, c["kv"], row, c["tokens"], c["state"], row.steps_taken + c["steps"], spec)
         done = c["done"]
         if chain:  # a row that will start another block does not fold: it runs the forward writing its exact KV
@@ -364,7 +367,8 @@ def denoise(params, kv_pages, batch: DenoiseBatch, state: State, *, spec: StepSp
         keep = done[:, None]
         out = dict(c, kv=kv, it=c["it"] + 1, tokens=jnp.where(keep, c["tokens"], new_tokens),
                    state=_where_rows(done, c["state"], new_state), fresh=jnp.where(done, True, new_fresh),
-                   steps=c["steps"] + (~done).astype(jnp.int32), done=done | new_done)
+                   steps=c["steps"] + (~done).astype(jnp.int32), done=done | new_done,
+                   kv_only=c["kv_only"] + settled.astype(jnp.int32))
         if c["record"] is not None:
             out["record"] = lp.merge(c["record"], new_record, keep)
         if chain:
@@ -376,7 +380,7 @@ def denoise(params, kv_pages, batch: DenoiseBatch, state: State, *, spec: StepSp
     no = jnp.zeros(batch.tokens.shape[:1], jnp.bool_)
     record = lp.empty_record(*batch.tokens.shape, spec.top_logprobs) if spec.logprobs else None
     init = dict(kv=kv_pages, tokens=batch.tokens, done=no, fresh=no, state=state, steps=zeros, it=jnp.int32(0),
-                record=record)
+                record=record, kv_only=jnp.int32(0))
     if chain:
         rows, block = batch.tokens.shape
         init.update({k: getattr(batch, k) for k in _ROW_FIELDS}, chain_used=zeros,
@@ -384,11 +388,15 @@ def denoise(params, kv_pages, batch: DenoiseBatch, state: State, *, spec: StepSp
                     chain_steps=jnp.zeros((rows, chain), jnp.int32))
     c = jax.lax.while_loop(cond, body, init)
     result = DenoiseResult(tokens=c["tokens"], done=c["done"], steps=c["steps"], state=c["state"],
-                           fresh_kv=c["fresh"], logprobs=c["record"])
+                           fresh_kv=c["fresh"], logprobs=c["record"], kv_only=_per_row(c["kv_only"], batch))
     if chain:
         result.chain_blocks, result.chain_tokens, result.chain_steps = (c["chain_used"], c["chain_tokens"],
                                                                         c["chain_steps"])
     return c["kv"], result
+
+
+def _per_row(scalar, batch: DenoiseBatch):
+    return jnp.broadcast_to(scalar, batch.steps_taken.shape)
 
 
 # The per-row batch fields that change when a row starts its next block on the device.
@@ -440,13 +448,13 @@ PENALTY_PREFIX = "penalties."  # and of the Penalties tables
 
 
 def result_layout(block_size: int, state_row: dict, chain: int = 0) -> RowLayout:
-    """The per-row results of :func:`denoise_packed`: tokens, done, steps, fresh_kv, then the algorithm state's
+    """The per-row results of :func:`denoise_packed`: tokens, done, steps, fresh_kv, kv_only, then the algorithm state's
     leaves by name (``state_row``: one row of each leaf, e.g. ``algorithm.init_state(1, B)`` without its row), then
     with ``chain`` the chained blocks (``chain_blocks``, ``chain_tokens``, ``chain_steps``)."""
     chained = (("chain_blocks", (), "int32"), ("chain_tokens", (chain, block_size), "int32"),
                ("chain_steps", (chain,), "int32")) if chain else ()
     return RowLayout((("tokens", (block_size,), "int32"), ("done", (), "bool"), ("steps", (), "int32"),
-                      ("fresh_kv", (), "bool"))
+                      ("fresh_kv", (), "bool"), ("kv_only", (), "int32"))
                      + tuple((STATE_PREFIX + k, tuple(v.shape), np.dtype(v.dtype).name)
                              for k, v in sorted(state_row.items())) + chained)
 
@@ -472,6 +480,7 @@ def denoise_packed(params, kv_pages, packed, *, spec: StepSpec, layout: RowLayou
     batch, state = _unpack_call(layout.unpack(packed))
     kv_pages, result = denoise(params, kv_pages, batch, state, spec=spec)
     out = {"tokens": result.tokens, "done": result.done, "steps": result.steps, "fresh_kv": result.fresh_kv,
+           "kv_only": result.kv_only,
            **{STATE_PREFIX + k: v for k, v in result.state.items()}}
     if spec.chain:
         out.update(chain_blocks=result.chain_blocks, chain_tokens=result.chain_tokens, chain_steps=result.chain_steps)

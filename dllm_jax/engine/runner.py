@@ -157,6 +157,7 @@ class CallRecord:
     sampled: bool
     iterations: int = 1  # forwards the call ran (the synchronous schedule loops on the device)
     max_prefix_pages: int = 0  # the longest real prefix of its rows (the XLA attention walks the table up to it)
+    kv_only: int = 0  # of those, commit forwards that stopped after writing the K/V (decode/step.py::_one_step)
 
 
 @dataclasses.dataclass
@@ -500,7 +501,8 @@ class ModelRunner:
             sampled = bool(np.any((fields["temperature"] > 0) & (fields["top_k"] != 1)))
             self.call_log.append(CallRecord("denoise", R, W, 1, n, n, sum(len(r.prefix_pages) for r in rows),
                                             sum(r.refresh for r in rows), sampled, int(forwards.max()),
-                                            max(len(r.prefix_pages) + int(c) for r, c in zip(rows, chained))))
+                                            max(len(r.prefix_pages) + int(c) for r, c in zip(rows, chained)),
+                                            int(res["kv_only"][0])))
         states = [{k: res[STATE_PREFIX + k][i] for k in self._fresh_state} for i in range(n)]
         out = DecodeOutput(tokens=res["tokens"], done=res["done"], steps=res["steps"], states=states,
                            fresh_kv=res["fresh_kv"], forwards=forwards)
