@@ -126,13 +126,15 @@ def test_fdfo_call_runs_steps_until_its_first_row_is_done(tiny_model, make_engin
     assert looped.scheduler.stats["denoise_calls"] - calls < looped.scheduler.stats["denoise_forwards"] - blocks
 
 
-@pytest.mark.parametrize("fold", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_chained_blocks_are_the_blocks_of_one_call_each(tiny_model, make_engine, tiny_oracle, fold):
-    """FDFO block chaining: a request that nothing waits on goes on into its next blocks inside one device call.
-    Same tokens and forwards as one block per call (greedy, seeded sampling, EOS and stop ids mid-block,
-    max_new_tokens mid-block, the context length), fewer calls; a chain longer than its width resumes in the next
-    call; every page comes back (the pages reserved for blocks a call did not start included)."""
-    kw = dict(ENGINE_KW, fold_commit_forward=fold)
+@pytest.mark.parametrize("fold,schedule", [(False, "fdfo"), (False, "sync"),
+                                           pytest.param(True, "fdfo", marks=pytest.mark.slow)])
+def test_chained_blocks_are_the_blocks_of_one_call_each(tiny_model, make_engine, tiny_oracle, fold, schedule):
+    """Block chaining: a request that nothing waits on goes on into its next blocks inside one device call (FDFO;
+    the synchronous schedule when the request runs alone). Same tokens and forwards as one block per call (greedy,
+    seeded sampling, EOS and stop ids mid-block, max_new_tokens mid-block, the context length), fewer calls; a
+    chain longer than its width resumes in the next call; every page comes back (the pages reserved for blocks a
+    call did not start included)."""
+    kw = dict(ENGINE_KW, fold_commit_forward=fold, schedule=schedule)
     chained = make_engine(tiny_model, chain_blocks=4, **kw)  # the default without folding: shared executables
     plain = make_engine(tiny_model, chain_blocks=0, **kw)
     sampled = {"max_new_tokens": 14, "ignore_eos": True, "temperature": 1.3, "seed": 11}

@@ -66,15 +66,16 @@ class StepSpec:
     penalties: bool = False  # the batch carries Penalties (some row has a penalty or bias)
     logprobs: bool = False  # record the log probability of every token a step writes
     top_logprobs: int = 0  # and the k most likely alternatives of that forward (0: none)
-    # FDFO block chaining: a row whose block is done, with no stop token in it, starts its next block on the device
-    # in the same call (up to ``batch.chain_left`` of them, in the pages ``batch.chain_pages`` the host reserved),
-    # so a request that nothing else waits on writes several blocks per host round trip. The width of the chain
-    # tables (0: no chaining; the synchronous schedule never chains).
+    # Block chaining: a row whose block is done, with no stop token in it, starts its next block on the device in
+    # the same call (up to ``batch.chain_left`` of them, in the pages ``batch.chain_pages`` the host reserved), so
+    # a request that nothing else waits on writes several blocks per host round trip. The width of the chain
+    # tables (0: no chaining). With ``loop`` the call then ends when every row is done and none goes on (the
+    # scheduler chains a synchronous call only when it holds one request).
     chain: int = 0
 
     def __post_init__(self):
-        if self.chain and not self.first_done:
-            raise ValueError("StepSpec.chain: only an FDFO step (first_done) chains blocks")
+        if self.chain and not (self.first_done or self.loop):
+            raise ValueError("StepSpec.chain: only a looping step (first_done or loop) chains blocks")
 
     @property
     def needs_logits(self) -> bool:
@@ -351,7 +352,7 @@ def denoise(params, kv_pages, batch: DenoiseBatch, state: State, *, spec: StepSp
         done, it = c["done"], c["it"]
         if spec.first_done:
             return (it < jnp.minimum(max_iterations, batch.loop_cap)) & ~jnp.any(done & live) & ~jnp.all(done)
-        return (it < spec.max_steps) & ~jnp.all(done)
+        return (it < max_iterations) & ~jnp.all(done)
 
     def body(c):
         # The row's current block: the call's own, or (chaining) a later one started on the device.

@@ -84,13 +84,13 @@ class Engine:
     :class:`dllm_jax.engine.runner.ShapeBuckets`), ``max_steps_per_call`` (FDFO: the most denoise steps one
     device call runs while its batch stays the same; the call ends anyway when the first row is done, and runs a
     single step whenever a request could join, one is still prefilling or a row streams provisional blocks;
-    default None: no further limit; 1: one step per round, as SGLang), ``chain_blocks`` (FDFO: when no request
-    waits to join, a request whose block is done goes on into its next block inside the same device call, up to
-    this many blocks further, as long as no stop token ended it; fewer host round trips per request, the same
-    tokens; streamed requests and those with stop strings, log probabilities or penalties never chain, since
-    the host must see each of their blocks; the synchronous schedule never chains; default None: 4 where the
-    commit forward is not folded, 0 where it is, since a block a request goes on from needs the exact-KV forward
-    that folding saves; 0: off).
+    default None: no further limit; 1: one step per round, as SGLang), ``chain_blocks`` (when no request waits to
+    join, a request whose block is done goes on into its next block inside the same device call, up to this many
+    blocks further, as long as no stop token ended it; fewer host round trips per request, the same tokens;
+    FDFO chains calls of up to two requests, the synchronous schedule a request running alone; streamed requests
+    and those with stop strings, log probabilities or penalties never chain, since the host must see each of
+    their blocks; default None: 4 where the commit forward is not folded, 0 where it is, since a block a request
+    goes on from needs the exact-KV forward that folding saves; 0: off).
     """
 
     def __init__(self, model_path: str | None = None, *, block_size: int | None = None,

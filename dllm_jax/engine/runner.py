@@ -266,9 +266,10 @@ class ModelRunner:
         self._variants: dict[tuple[bool, int, bool], StepSpec] = {}
         self.prefill_spec = dataclasses.replace(base, algorithm=None)
         self._fresh_state = {k: np.asarray(v)[0] for k, v in algorithm.init_state(1, block_size).items()}
-        self.chain = 0 if loop else chain_blocks  # blocks a row may start on the device in one call (0: none)
+        self.loop = loop
+        self.chain = chain_blocks  # blocks a row may start on the device in one call (0: none)
         # The row buckets whose calls may chain: those of up to CHAIN_MAX_ROWS decoding rows (with commit folding,
-        # each may bring a refresh row).
+        # each may bring a refresh row; the scheduler chains a synchronous call only when it holds one request).
         chain_rows = pick_bucket(min(CHAIN_MAX_ROWS * (2 if fold_commit else 1), self.row_buckets[-1]),
                                  self.row_buckets)
         self.chain_rows = frozenset(R for R in self.row_buckets if R <= chain_rows) if self.chain else frozenset()

@@ -281,7 +281,10 @@ class Scheduler:
             return
         B = self.B
         loop_cap = self._loop_cap(reqs, refresh)
-        chains = loop_cap > 1 and len(reqs) <= CHAIN_MAX_ROWS and self.runner.can_chain(len(reqs) + len(refresh))
+        # FDFO chains calls of up to CHAIN_MAX_ROWS requests; the synchronous schedule a request running alone (its
+        # rows stay in step: a row that goes on while another decodes would leave the batch's block behind)
+        chains = (loop_cap > 1 and len(reqs) <= (1 if self.runner.loop else CHAIN_MAX_ROWS)
+                  and self.runner.can_chain(len(reqs) + len(refresh)))
         chain_pages = self._reserve_chain_pages(reqs) if chains else {}
         rows = [DecodeRow(tokens=r.stale_tokens, immutable=np.ones((B,), np.bool_), prefix_pages=r.pages[:-1],
                           write_page=r.pages[-1], steps_taken=0, temperature=0.0, top_k=-1, top_p=1.0, seed=0,
