@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ENGINE_KW
 
 from dllm_jax.decode.algorithms import make_algorithm
 from dllm_jax.decode.step import DenoiseBatch, StepSpec, denoise, init_kv_pages
@@ -88,7 +89,7 @@ def _shipped_path():
 def test_one_request_ends_every_block_with_a_kv_only_forward(schedule, tiny_model, make_engine):
     """At one request every block's last forward is its commit forward, and the engine reports each as K/V-only
     (the efficiency bench charges those as such). The forwards add up to the request's count."""
-    engine = make_engine(tiny_model, schedule=schedule, max_running_requests=2)
+    engine = make_engine(tiny_model, **dict(ENGINE_KW, schedule=schedule))  # the engine tests' shared programs
     engine.runner.call_log = calls = []
     prompt, max_new = [5, 6, 7, 8, 9, 10], 13
     out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": max_new, "temperature": 0})
