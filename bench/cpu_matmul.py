@@ -24,6 +24,8 @@ CONFIGS = [
     ("oneDNN", "--xla_cpu_use_onednn=true"),
     ("XNNPACK", "--xla_cpu_use_xnnpack=true"),
     ("XNN graph fusion", "--xla_cpu_experimental_xnn_graph_fusion_mode=XNN_GRAPH_FUSION_MODE_GREEDY"),
+    # jaxlib 0.10.2 runs dots through YNNPACK by default; an empty fusion-type list hands every dot to Eigen
+    ("YNNPACK off (Eigen dots)", "--xla_cpu_experimental_ynn_fusion_type="),
     ("no multi-thread Eigen", "--xla_cpu_multi_thread_eigen=false"),
 ]
 SHAPES = [(32, 512, 1536), (64, 512, 1536), (32, 512, 512), (1024, 512, 1536)]
