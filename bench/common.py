@@ -392,14 +392,11 @@ def bare_forward(spec):
     selection's ``(argmax, p_max)`` per position (no algorithm, no sampling); ``select=None``: a commit forward,
     which writes the K/V and stops (``out`` None). Trace it inside a jit."""
     from dllm_jax.decode.backends import confidence_stats
-    from dllm_jax.decode.step import _attention, _model_forward
-    from dllm_jax.model.qwen3 import forward_chunk_kv
+    from dllm_jax.decode.step import _model_forward, _model_forward_kv
 
     def forward(params, kv, tokens, table, prefix, write, select):
         if select is None:
-            kv, _ = forward_chunk_kv(params, spec.model, tokens, kv, table, prefix, write, block_size=spec.block_size,
-                                     attention_fn=_attention(spec))
-            return kv, None
+            return _model_forward_kv(params, kv, tokens, table, prefix, write, spec)[0], None
         hidden, kv = _model_forward(params, kv, tokens, table, prefix, write, spec)
         if not select:
             return kv, hidden

@@ -145,6 +145,12 @@ def _model_forward(params, kv_pages, tokens, page_table, prefix_len, write_pages
                          block_size=spec.block_size, attention_fn=_attention(spec))
 
 
+def _model_forward_kv(params, kv_pages, tokens, page_table, prefix_len, write_pages, spec: StepSpec):
+    """The part of :func:`_model_forward` that writes K/V (returns (kv_pages, the last layer's inputs))."""
+    return forward_chunk_kv(params, spec.model, tokens, kv_pages, page_table, prefix_len, write_pages,
+                            block_size=spec.block_size, attention_fn=_attention(spec))
+
+
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("kv_pages",))
 def prefill(params, kv_pages, tokens, page_table, prefix_len, write_pages, *, spec: StepSpec):
     """Encode ``tokens [R, C*B]`` (C complete blocks per row) after each row's prefix; write their K/V."""
@@ -282,9 +288,8 @@ def _one_step(params, kv_pages, batch: DenoiseBatch, tokens, state, steps_taken,
     exact), so the rest of the forward (the last layer's attention and MLP, the head, the confidence selection)
     runs under a ``lax.cond`` that skips it. The K/V come from the same computation either way. At one request on
     CPU this is the last of every block's ~4-5 forwards (bench/RESULTS.md)."""
-    kv_pages, last = forward_chunk_kv(params, spec.model, tokens, kv_pages, batch.page_table, batch.prefix_len,
-                                      batch.write_page[:, None], block_size=spec.block_size,
-                                      attention_fn=_attention(spec))
+    kv_pages, last = _model_forward_kv(params, kv_pages, tokens, batch.page_table, batch.prefix_len,
+                                       batch.write_page[:, None], spec)
 
     def decode(last):
         hidden = forward_chunk_rest(params, spec.model, last, kv_pages, batch.page_table, batch.prefix_len,
@@ -449,9 +454,9 @@ PENALTY_PREFIX = "penalties."  # and of the Penalties tables
 
 
 def result_layout(block_size: int, state_row: dict, chain: int = 0) -> RowLayout:
-    """The per-row results of :func:`denoise_packed`: tokens, done, steps, fresh_kv, kv_only, then the algorithm state's
-    leaves by name (``state_row``: one row of each leaf, e.g. ``algorithm.init_state(1, B)`` without its row), then
-    with ``chain`` the chained blocks (``chain_blocks``, ``chain_tokens``, ``chain_steps``)."""
+    """The per-row results of :func:`denoise_packed`: tokens, done, steps, fresh_kv, kv_only, then the algorithm
+    state's leaves by name (``state_row``: one row of each leaf, e.g. ``algorithm.init_state(1, B)`` without its
+    row), then with ``chain`` the chained blocks (``chain_blocks``, ``chain_tokens``, ``chain_steps``)."""
     chained = (("chain_blocks", (), "int32"), ("chain_tokens", (chain, block_size), "int32"),
                ("chain_steps", (chain,), "int32")) if chain else ()
     return RowLayout((("tokens", (block_size,), "int32"), ("done", (), "bool"), ("steps", (), "int32"),
