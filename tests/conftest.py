@@ -12,15 +12,19 @@ import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Compile for a shorter suite: most of its time is XLA compilation (measured: 335 s of 580 s summed over the tests).
-# LLVM at -O1 without its expensive passes compiles the engine's step about 10% faster (1.79 -> 1.63 s) and runs the
-# shipped model as fast as the default -O2 does (measured); -O0 would compile a third faster but doubled the shipped
-# model's step time. The HLO programs, fusions and dot kernels are XLA's either way; elementwise code may round
-# differently in the last bit (measured: the same tokens, log-probabilities within 3e-6), so the float64-reference
-# checks classify the same way. Servers and CLIs the tests start get the same flags (same programs: one cache).
-# DLLM_TEST_XLA_FLAGS="" runs the suite with XLA's default compilation.
+# Compile for a shorter suite: most of its time is XLA compilation (measured: 335 s of 580 s summed over the tests;
+# the engine's step alone, ~135 fusions for a 2-layer model, 1.3-4 s a compile, half of it in XLA's fusion emitters
+# and half in LLVM). LLVM at -O1 without its expensive passes compiles the step about 10% faster (1.79 -> 1.63 s)
+# and runs the shipped model as fast as the default -O2 does; XLA's older loop emitters instead of its MLIR fusion
+# emitters (--xla_cpu_use_fusion_emitters=false) halve a tiny engine's warm-up compile (10-12 s -> 5.3 s) and took
+# the suite from 234 s to 176 s (two processes, back to back); -O0 would compile a third faster but doubled the
+# shipped model's step time (all measured). The HLO programs, fusions and dot kernels are XLA's either way;
+# elementwise code may round differently in the last bit (measured: the same tokens, log-probabilities within 3e-6),
+# so the float64-reference checks classify the same way. Servers and CLIs the tests start get the same flags (same
+# programs: one cache). DLLM_TEST_XLA_FLAGS="" runs the suite with XLA's default compilation.
 TEST_XLA_FLAGS = os.environ.get("DLLM_TEST_XLA_FLAGS",
-                                "--xla_backend_optimization_level=1 --xla_llvm_disable_expensive_passes=true")
+                                "--xla_backend_optimization_level=1 --xla_llvm_disable_expensive_passes=true "
+                                "--xla_cpu_use_fusion_emitters=false")
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=4 {TEST_XLA_FLAGS}".strip())
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
