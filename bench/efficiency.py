@@ -15,7 +15,9 @@ so the floor is the work the engine needed, not more. ``wall / floor`` is
 what the engine adds on top of the forwards it chose to run: host work between calls, the algorithm and sampling
 on the device, the host sync. How good the choice of forwards was is reported beside it: padding rows and padded
 page-table width (as fractions of rows and of the FLOPs of the calls), refresh rows, prefill calls, tokens per
-forward.
+forward. The difference itself is split in two: ``device / floor`` (the engine's device calls, timed from the
+jitted call to its result, against the floor) and the host time per request, beside the part of it that is the
+request's own API work measured bare (validating and building the request, detokenizing its answer).
 """
 
 from __future__ import annotations
@@ -210,6 +212,22 @@ def _flops_fraction(calls, cfg, B) -> tuple[float, float]:
     return (1 - real / paid if paid else 0.0), (1 - real_attn / paid_attn if paid_attn else 0.0)
 
 
+def _api_seconds(engine, work: Workload, outputs: list[list[int]], passes: int = 5) -> float:
+    """The run's per-request API work measured bare (fastest of ``passes``): validating and building each request
+    (``make_request``) and detokenizing its answer, the Python any caller of the engine pays per request whatever
+    the scheduler does. Part of the run's host time; what is left of it is the scheduler's and the runner's."""
+    best = float("inf")
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        for ids in work.prompts:
+            engine.make_request(list(ids), work.params)
+        if engine.tokenizer is not None:
+            for out in outputs:
+                engine._decode(out)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def run_once(engine, work: Workload, bare: BareForward, repeats: int = 1) -> dict:
     """A warm-up pass (compiles every shape the measured pass uses), then ``repeats`` measured passes from the
     same state, each followed by a replay of its calls as bare calls (:meth:`BareForward.replay`); the fastest of
@@ -230,6 +248,7 @@ def run_once(engine, work: Workload, bare: BareForward, repeats: int = 1) -> dic
         replay = replay or bare.replay(log)  # the calls are the same in every pass (same requests, empty cache)
         replay_s = min(replay_s, replay())
     r, calls, dlog = best
+    api_s = _api_seconds(engine, work, r["outputs"])
     B = engine.block_size
     floor = sum(bare.seconds(c.kind, c.rows, c.width, c.blocks, c.iterations, c.max_prefix_pages, c.kv_only)
                 for c in calls)
@@ -250,7 +269,10 @@ def run_once(engine, work: Workload, bare: BareForward, repeats: int = 1) -> dic
         "wall_over_floor": wall / floor if floor else float("nan"),
         "replay_floor_s": replay_s, "wall_over_replay": wall / replay_s if replay_s else float("nan"),
         "host_s": wall - device, "host_frac": (wall - device) / wall,
+        "host_ms_per_request": 1e3 * (wall - device) / r["requests"],
+        "api_ms_per_request": 1e3 * api_s / r["requests"],
         "device_s": device, "device_over_floor_s": device - floor,
+        "device_over_floor": device / floor if floor else float("nan"),
         "prefill_calls": len(prefill_calls), "prefill_floor_s": prefill_floor,
         "denoise_calls": len(denoise_calls), "forwards": sum(c.iterations for c in calls),
         "kv_only_forwards": sum(c.kv_only for c in calls),
@@ -307,7 +329,8 @@ def efficiency(ctx: Ctx) -> dict:
                 res["runs"][f"{schedule}/{level}"] = r
                 rows.append([name, schedule, level, r["wall_s"], r["floor_s"], r["wall_over_floor"],
                              r["replay_floor_s"], r["wall_over_replay"],
-                             100 * r["host_frac"], r["device_over_floor_s"], r["prefill_calls"],
+                             100 * r["host_frac"], r["host_ms_per_request"], r["api_ms_per_request"],
+                             r["device_over_floor"], r["device_over_floor_s"], r["prefill_calls"],
                              100 * r["padding_rows_frac"], 100 * r["padding_flops_frac"],
                              100 * r["padding_width_frac"], 100 * r["refresh_rows_frac"],
                              100 * r["kv_only_forwards"] / max(r["forwards"], 1), r["tokens_per_forward"],
@@ -317,11 +340,13 @@ def efficiency(ctx: Ctx) -> dict:
                 target = TARGET_SINGLE if level == 1 else TARGET_CONCURRENT
                 ctx.target(f"efficiency [{name}, {schedule}, {level} concurrent]: wall / floor",
                            r["wall_over_floor"], target, higher_is_better=False,
-                           note=f"host {100 * r['host_frac']:.0f}%, padding rows {100 * r['padding_rows_frac']:.0f}%",
+                           note=f"device / floor {r['device_over_floor']:.2f}, host {100 * r['host_frac']:.0f}% "
+                                f"({r['host_ms_per_request']:.2f} ms a request), padding rows "
+                                f"{100 * r['padding_rows_frac']:.0f}%",
                            command=f"{ctx.command} efficiency")
     text = table("efficiency: wall vs the bare forwards of the same calls (floor); where the rest goes",
                  ["model", "schedule", "requests", "wall s", "floor s", "wall/floor", "replay s", "wall/replay",
-                  "host %", "algo+sync s",
+                  "host %", "host ms/req", "api ms/req", "device/floor", "algo+sync s",
                   "prefill calls", "pad rows %", "pad FLOPs %", "pad width %", "refresh %", "K/V-only fwd %",
                   "tok/fwd", "tok/s"],
                  rows)
