@@ -236,6 +236,14 @@ def test_stop_conditions(tiny_model, make_engine):
     cut = ref.index(stop)
     assert out["output_ids"] == ref[:cut + 1]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    # A stop token that is also the last token max_new_tokens allows: a stop; one token too far: the length.
+    stop = next(t for t in ref[2:] if ref.index(t) >= 2)
+    cut = ref.index(stop)
+    out = engine.generate(input_ids=PROMPTS[0], sampling_params={"max_new_tokens": cut + 1, "stop_token_ids": [stop]})
+    assert out["output_ids"] == ref[:cut + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    out = engine.generate(input_ids=PROMPTS[0], sampling_params={"max_new_tokens": cut, "stop_token_ids": [stop]})
+    assert out["output_ids"] == ref[:cut] and out["meta_info"]["finish_reason"]["type"] == "length"
 
 
 def test_eos_stops_unless_ignored(tmp_path, make_engine, reference_outputs):
@@ -342,6 +350,20 @@ def test_bad_sampling_params(tiny_model, make_engine, bad, field):
     with pytest.raises(ValueError, match=field):
         engine.generate(input_ids=[2, 3], sampling_params=bad)
     assert engine.generate(input_ids=[2, 3], sampling_params=GREEDY)["output_ids"]  # still serving
+
+
+def test_validated_params_are_kept_by_value_and_type(tiny_model, make_engine):
+    """make_request validates a scalar params dict once and reuses it, but never for a value of another type
+    that compares equal (True == 1, 1.0 == 1)."""
+    engine = make_engine(tiny_model, **ENGINE_KW)
+    a = engine.make_request([2, 3], {"max_new_tokens": 1, "top_k": 1})
+    assert engine.make_request([2, 3], {"top_k": 1, "max_new_tokens": 1}).params is a.params
+    for bad, field in (({"max_new_tokens": True, "top_k": 1}, "max_new_tokens"),
+                       ({"max_new_tokens": 1, "top_k": 1.0}, "top_k")):
+        with pytest.raises(ValueError, match=field):
+            engine.make_request([2, 3], bad)
+    stops = engine.make_request([2, 3], {"stop_token_ids": [5]})  # (lists are validated every time)
+    assert stops.params.stop_token_ids == (5,) and stops.params is not a.params
 
 
 def test_bad_inputs(tiny_model, make_engine):

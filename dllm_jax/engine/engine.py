@@ -197,6 +197,7 @@ class Engine:
             decode_text=self._decode if self.tokenizer is not None else None,
             max_steps_per_call=max_steps_per_call or 1 << 30)
         self._rng = np.random.default_rng(seed)
+        self._params_cache: dict[tuple, SamplingParams] = {}  # see _sampling_params
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, Request] = {}
         self._lock = threading.RLock()  # one driver of the scheduler at a time
@@ -286,13 +287,16 @@ class Engine:
                      rid: str | None = None, on_event: Callable | None = None,
                      field: str = "input_ids", provisional: bool = False, stream: bool = False) -> Request:
         """Validate one request (ValueError naming the field on bad input) and build it; does not enqueue."""
-        params = SamplingParams.from_dict(self._with_defaults(sampling_params), vocab_size=self.config.vocab_size)
-        if not isinstance(input_ids, (list, tuple)) or not all(_is_int(t) for t in input_ids):
+        params = self._sampling_params(sampling_params)
+        # (The checks run at C speed over the ids first, as a prompt may hold thousands; the slow path names the
+        # offending one.)
+        if not isinstance(input_ids, (list, tuple)) or (
+                set(map(type, input_ids)) - {int} and not all(_is_int(t) for t in input_ids)):
             raise ValueError(f"{field}: must be a list of integer token ids")
         vocab = self.config.vocab_size
-        for i, t in enumerate(input_ids):
-            if not 0 <= t < vocab:
-                raise ValueError(f"{field}[{i}]: token id {t} is outside the vocabulary [0, {vocab})")
+        if input_ids and not (min(input_ids) >= 0 and max(input_ids) < vocab):
+            i, t = next((i, t) for i, t in enumerate(input_ids) if not 0 <= t < vocab)
+            raise ValueError(f"{field}[{i}]: token id {t} is outside the vocabulary [0, {vocab})")
         first_block_end = (len(input_ids) // self.block_size + 1) * self.block_size
         if first_block_end > self.context_length:
             raise ValueError(f"{field}: the prompt has {len(input_ids)} tokens; with a block of {self.block_size} it "
@@ -300,8 +304,24 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError("sampling_params.stop: stop strings need a tokenizer; this model has none")
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2 ** 32))
-        return Request(rid=rid or uuid.uuid4().hex, prompt_ids=[int(t) for t in input_ids], params=params,
+        return Request(rid=rid or uuid.uuid4().hex, prompt_ids=list(map(int, input_ids)), params=params,
                        seed=seed, on_event=on_event, provisional=provisional, stream=stream or provisional)
+
+    def _sampling_params(self, sampling_params) -> SamplingParams:
+        """Validated params over the model's defaults. Requests often share their params (a client's fixed
+        settings): those of scalar values are validated once and kept, keyed with each value's type (``True``
+        equals ``1`` but is not a valid ``max_new_tokens``)."""
+        merged = self._with_defaults(sampling_params)
+        key = None
+        if isinstance(merged, dict) and all(isinstance(k, str) and isinstance(v, _SCALARS) for k, v in merged.items()):
+            key = tuple(sorted((k, type(v), v) for k, v in merged.items()))
+            params = self._params_cache.get(key)
+            if params is not None:
+                return params
+        params = SamplingParams.from_dict(merged, vocab_size=self.config.vocab_size)
+        if key is not None and len(self._params_cache) < 4096:
+            self._params_cache[key] = params
+        return params
 
     def _with_defaults(self, params):
         """A request's sampling params over the model's defaults (generation_config.json): a key the request leaves
@@ -745,6 +765,9 @@ def _sampling_defaults(model_path: str, mode: str, vocab_size: int) -> dict:
         raise ValueError(f"{os.path.join(model_path, 'generation_config.json')}: {e} (sampling_defaults='none' "
                          f"ignores the file)") from None
     return defaults
+
+
+_SCALARS = (str, int, float, bool, type(None))
 
 
 def _is_int(v) -> bool:

@@ -276,6 +276,7 @@ class ModelRunner:
         self._result_layouts = {chain: result_layout(block_size, self._fresh_state, self.chain if chain else 0)
                                 for chain in (False, True)}
         self._layouts: dict[tuple[int, bool, bool], RowLayout] = {}
+        self._padding: dict[tuple[int, bool, bool, int], np.ndarray] = {}
         self.device_calls = 0
         # When a list (the efficiency bench sets one), every call appends a CallRecord: its bucket and how much
         # of it was real work, so a run can be set against the bare cost of its buckets.
@@ -340,6 +341,26 @@ class ModelRunner:
                     ("active", (), "bool"))]
             self._layouts[key] = RowLayout(tuple(fields))
         return self._layouts[key]
+
+    def _padding_rows(self, width: int, penalties: bool, chain: bool, rows: int) -> np.ndarray:
+        """``rows`` packed rows that decode nothing (all positions immutable, pages the trash page, neutral
+        sampling, the algorithm's fresh state) for a call of ``denoise_layout(width, penalties, chain)``: what its
+        padding rows hold and its real rows start from. One per bucket, kept; each call copies it."""
+        key = (width, penalties, chain, rows)
+        if key not in self._padding:
+            packed, fields = self.denoise_layout(width, penalties, chain).empty(rows)
+            fields["immutable"][:] = 1
+            fields["page_table"][:] = TRASH_PAGE
+            fields["write_page"][:] = TRASH_PAGE
+            fields["top_k"][:] = -1
+            fields["top_p"][:] = 1.0
+            if "stop_ids" in fields:
+                fields["stop_ids"][:] = -1
+            for k, v in self._fresh_state.items():
+                fields[STATE_PREFIX + k][:] = v
+            packed.setflags(write=False)
+            self._padding[key] = packed
+        return self._padding[key]
 
     def denoise_spec(self, sampling: bool, variant: int = 0, chain: bool = False) -> StepSpec:
         """The compiled step for a call: plain (greedy or sampling), or a variant (``VARIANT_*`` bits); ``chain``:
@@ -445,18 +466,11 @@ class ModelRunner:
         W = pick_bucket(max(1, max(len(r.prefix_pages) + len(r.chain_pages) for r in rows)), self.width_buckets)
         penalties = any(r.penalty is not None for r in rows)
         chain = R in self.chain_rows
-        packed, fields = self.denoise_layout(W, penalties, chain).empty(R)
-        fields["immutable"][:] = 1  # padding rows: nothing to decode
-        fields["page_table"][:] = TRASH_PAGE
-        fields["write_page"][:] = TRASH_PAGE
-        fields["top_k"][:] = -1
-        fields["top_p"][:] = 1.0
+        layout = self.denoise_layout(W, penalties, chain)
+        packed = self._padding_rows(W, penalties, chain, R).copy()
+        fields = layout.views(packed)
         fields["loop_cap"][:] = loop_cap
-        if chain:
-            fields["stop_ids"][:] = -1
         state = {k: fields[STATE_PREFIX + k] for k in self._fresh_state}
-        for k, v in self._fresh_state.items():
-            state[k][:] = v
         for i, r in enumerate(rows):
             fields["tokens"][i] = r.tokens
             fields["immutable"][i] = r.immutable

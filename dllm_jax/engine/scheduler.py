@@ -53,6 +53,7 @@ class Scheduler:
         self.max_prefill_blocks = max_prefill_blocks
         self.decode_text = decode_text
         self.max_steps_per_call = max_steps_per_call
+        self._stop_sets: dict[tuple, frozenset[int]] = {}  # see _stop_set
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         # Fixed keys (other threads copy this while the loop runs: the dict must never change size).
@@ -358,9 +359,16 @@ class Scheduler:
                 out[id(req)] = self.allocator.alloc(n)
         return out
 
-    def _stop_set(self, req: Request) -> set[int]:
-        ids = set(req.params.stop_token_ids)
-        return ids if req.params.ignore_eos else ids | self.eos_token_ids
+    def _stop_set(self, req: Request) -> frozenset[int]:
+        """The token ids that end the request's outputs (its stop ids, and EOS unless ignored); one set per distinct
+        choice, kept (a commit reads it for every block)."""
+        stop_token_ids, ignore_eos = key = (req.params.stop_token_ids, req.params.ignore_eos)
+        ids = self._stop_sets.get(key)
+        if ids is None:
+            ids = frozenset(stop_token_ids) if ignore_eos else frozenset(stop_token_ids) | self.eos_token_ids
+            if len(self._stop_sets) < 1024:
+                self._stop_sets[key] = ids
+        return ids
 
     def _stop_ids(self, req: Request) -> tuple[int, ...]:
         return tuple(sorted(self._stop_set(req)))
@@ -423,8 +431,8 @@ class Scheduler:
 
     def _commit_block(self, req: Request, tokens: np.ndarray, fresh_kv: bool = True) -> None:
         B = self.B
-        n_imm = int(req.block_immutable.sum())
-        new = [int(t) for t in tokens[n_imm:]]
+        n_imm = int(np.count_nonzero(req.block_immutable))
+        new = tokens[n_imm:].tolist()
         if req.first_block_time is None:
             req.first_block_time = time.perf_counter()
         before = len(req.output_ids)
@@ -467,14 +475,18 @@ class Scheduler:
         stop_ids = self._stop_set(req)
         finish = None
         start = len(req.output_ids)
-        for tok in new:
-            req.output_ids.append(tok)
-            if tok in stop_ids:
-                finish = {"type": "stop", "matched": tok}
-                break
-            if len(req.output_ids) >= params.max_new_tokens:
-                finish = {"type": "length", "length": params.max_new_tokens}
-                break
+        # The first stop id ends the outputs (with it); else max_new_tokens does (a stop id at that very token wins).
+        room = max(1, params.max_new_tokens - start)
+        stop_at = None
+        if not stop_ids.isdisjoint(new):  # (a check at C speed: most blocks hold no stop id)
+            stop_at = next(j for j, tok in enumerate(new) if tok in stop_ids)
+        if stop_at is not None and stop_at < room:
+            new = new[:stop_at + 1]
+            finish = {"type": "stop", "matched": new[-1]}
+        elif len(new) >= room:
+            new = new[:room]
+            finish = {"type": "length", "length": params.max_new_tokens}
+        req.output_ids.extend(new)
         if params.stop and self.decode_text is not None:
             hit = self._find_stop_string(req, start)
             if hit is not None:
