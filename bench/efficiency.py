@@ -16,12 +16,15 @@ what the engine adds on top of the forwards it chose to run: host work between c
 on the device, the host sync. How good the choice of forwards was is reported beside it: padding rows and padded
 page-table width (as fractions of rows and of the FLOPs of the calls), refresh rows, prefill calls, tokens per
 forward. The difference itself is split in two: ``device / floor`` (the engine's device calls, timed from the
-jitted call to its result, against the floor) and the host time per request, beside the part of it that is the
-request's own API work measured bare (validating and building the request, detokenizing its answer).
+jitted call to its result, against the floor) and the host time per request, beside the same host work run alone
+(the run played back with every device call answered from a recording: what the engine's Python costs when no
+forward runs between its pieces) and the part of it that is the request's own API work measured bare (validating
+and building the request, detokenizing its answer).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -212,6 +215,92 @@ def _flops_fraction(calls, cfg, B) -> tuple[float, float]:
     return (1 - real / paid if paid else 0.0), (1 - real_attn / paid_attn if paid_attn else 0.0)
 
 
+class _DevicePlayback:
+    """Stands in for the runner's jitted functions (``denoise_packed``, ``prefill``): while recording it passes each
+    call through and keeps its results; while playing back it answers the calls with them in order and computes
+    nothing (the K/V pool passes through). A played-back run schedules exactly as the recorded one did (same
+    requests, same outputs, an empty cache both times), so its wall is the host work of that run alone: the
+    scheduler, the runner's packing and unpacking, the requests' API work, with no device call between them to
+    evict the caches that work runs in."""
+
+    def __init__(self):
+        from dllm_jax.engine import runner
+
+        self._runner = runner
+        self._real = {"denoise_packed": runner.denoise_packed, "prefill": runner.prefill}
+        self.calls: list[tuple[str, tuple, object]] = []  # (function, input shape, results)
+        self.verify = True  # compare each played-back call's inputs with the recorded ones (untimed passes)
+        self._inputs: list = []
+        self._next = 0
+
+    @contextlib.contextmanager
+    def recording(self):
+        def make(name):
+            def call(params, kv, *args, **kwargs):
+                out = self._real[name](params, kv, *args, **kwargs)
+                self.calls.append((name, args[0].shape, None if name == "prefill" else out[1:]))
+                self._inputs.append(_comparable(args, kwargs))
+                return out
+            return call
+        with self._patched(make):
+            yield
+
+    @contextlib.contextmanager
+    def playing(self, verify: bool):
+        def make(name):
+            def call(params, kv, *args, **kwargs):
+                i, self._next = self._next, self._next + 1
+                recorded, shape, out = self.calls[i] if i < len(self.calls) else (None, None, None)
+                if recorded != name or args[0].shape != shape or (verify and not all(
+                        np.array_equal(a, b) for a, b in zip(_comparable(args, kwargs), self._inputs[i]))):
+                    raise RuntimeError(f"host replay: call {i} ({name}) is not the recorded run's")
+                return kv if name == "prefill" else (kv, *out)
+            return call
+        self._next = 0
+        with self._patched(make):
+            yield
+        if self._next != len(self.calls):
+            raise RuntimeError(f"host replay: {self._next} calls, the recorded run made {len(self.calls)}")
+
+    @contextlib.contextmanager
+    def _patched(self, make):
+        for name in self._real:
+            setattr(self._runner, name, make(name))
+        try:
+            yield
+        finally:
+            for name, fn in self._real.items():
+                setattr(self._runner, name, fn)
+
+
+def _comparable(args, kwargs) -> list[np.ndarray]:
+    """A call's inputs as host arrays, a denoise call's sampling seeds blanked: a request draws its seed when it is
+    made, and a greedy run (the bench's) never reads it."""
+    out = [np.array(a) for a in args]
+    if "layout" in kwargs:
+        kwargs["layout"].view(out[0], "seed")[:] = 0
+    return out
+
+
+def _host_replay_seconds(engine, work: Workload, passes: int = 5) -> float:
+    """The run's host work alone (see :class:`_DevicePlayback`): a recorded run, then ``passes`` played back
+    (the first checks every call's inputs against the recording), the fastest kept."""
+    from bench.common import run_requests
+
+    playback = _DevicePlayback()
+    engine.flush_cache()
+    with playback.recording():
+        run_requests(engine, work.prompts, work.params, work.concurrency)
+    best = float("inf")
+    for i in range(passes + 1):
+        engine.flush_cache()
+        with playback.playing(verify=i == 0):
+            run = run_requests(engine, work.prompts, work.params, work.concurrency)
+        if i:
+            best = min(best, run["wall_s"])
+    return best
+
+
 def _api_seconds(engine, work: Workload, outputs: list[list[int]], passes: int = 5) -> float:
     """The run's per-request API work measured bare (fastest of ``passes``): validating and building each request
     (``make_request``) and detokenizing its answer, the Python any caller of the engine pays per request whatever
@@ -249,6 +338,7 @@ def run_once(engine, work: Workload, bare: BareForward, repeats: int = 1) -> dic
         replay_s = min(replay_s, replay())
     r, calls, dlog = best
     api_s = _api_seconds(engine, work, r["outputs"])
+    host_alone_s = _host_replay_seconds(engine, work)
     B = engine.block_size
     floor = sum(bare.seconds(c.kind, c.rows, c.width, c.blocks, c.iterations, c.max_prefix_pages, c.kv_only)
                 for c in calls)
@@ -271,6 +361,7 @@ def run_once(engine, work: Workload, bare: BareForward, repeats: int = 1) -> dic
         "host_s": wall - device, "host_frac": (wall - device) / wall,
         "host_ms_per_request": 1e3 * (wall - device) / r["requests"],
         "api_ms_per_request": 1e3 * api_s / r["requests"],
+        "host_alone_ms_per_request": 1e3 * host_alone_s / r["requests"],
         "device_s": device, "device_over_floor_s": device - floor,
         "device_over_floor": device / floor if floor else float("nan"),
         "prefill_calls": len(prefill_calls), "prefill_floor_s": prefill_floor,
@@ -329,7 +420,8 @@ def efficiency(ctx: Ctx) -> dict:
                 res["runs"][f"{schedule}/{level}"] = r
                 rows.append([name, schedule, level, r["wall_s"], r["floor_s"], r["wall_over_floor"],
                              r["replay_floor_s"], r["wall_over_replay"],
-                             100 * r["host_frac"], r["host_ms_per_request"], r["api_ms_per_request"],
+                             100 * r["host_frac"], r["host_ms_per_request"], r["host_alone_ms_per_request"],
+                             r["api_ms_per_request"],
                              r["device_over_floor"], r["device_over_floor_s"], r["prefill_calls"],
                              100 * r["padding_rows_frac"], 100 * r["padding_flops_frac"],
                              100 * r["padding_width_frac"], 100 * r["refresh_rows_frac"],
@@ -341,12 +433,13 @@ def efficiency(ctx: Ctx) -> dict:
                 ctx.target(f"efficiency [{name}, {schedule}, {level} concurrent]: wall / floor",
                            r["wall_over_floor"], target, higher_is_better=False,
                            note=f"device / floor {r['device_over_floor']:.2f}, host {100 * r['host_frac']:.0f}% "
-                                f"({r['host_ms_per_request']:.2f} ms a request), padding rows "
+                                f"({r['host_ms_per_request']:.2f} ms a request; alone "
+                                f"{r['host_alone_ms_per_request']:.2f}), padding rows "
                                 f"{100 * r['padding_rows_frac']:.0f}%",
                            command=f"{ctx.command} efficiency")
     text = table("efficiency: wall vs the bare forwards of the same calls (floor); where the rest goes",
                  ["model", "schedule", "requests", "wall s", "floor s", "wall/floor", "replay s", "wall/replay",
-                  "host %", "host ms/req", "api ms/req", "device/floor", "algo+sync s",
+                  "host %", "host ms/req", "host alone ms/req", "api ms/req", "device/floor", "algo+sync s",
                   "prefill calls", "pad rows %", "pad FLOPs %", "pad width %", "refresh %", "K/V-only fwd %",
                   "tok/fwd", "tok/s"],
                  rows)

@@ -146,3 +146,31 @@ def test_chain_scenario_identical_tokens(tmp_path):
     for level in levels.values():
         assert all(r["identical"] for r in level.values())
         assert level["on"]["device_calls"] <= level["off"]["device_calls"]
+
+
+def test_host_replay_plays_the_recorded_run_back(tiny_model, make_engine):
+    """The efficiency bench's host-alone figure: a recorded run played back without the device schedules the same
+    calls and gives the same answers; a run that differs from the recording is refused, not timed."""
+    from bench.common import run_requests
+    from bench.efficiency import _DevicePlayback
+    from conftest import ENGINE_KW
+
+    engine = make_engine(tiny_model, **dict(ENGINE_KW, max_running_requests=2))
+    prompts, params = [list(p) for p in PROMPTS[:4]], {"max_new_tokens": 9, "ignore_eos": True}
+    playback = _DevicePlayback()
+    engine.flush_cache()
+    with playback.recording():
+        recorded = run_requests(engine, prompts, params, 2)
+    assert playback.calls and engine.scheduler.stats["prefill_forwards"]
+    for verify in (True, False):
+        engine.flush_cache()
+        with playback.playing(verify=verify):
+            played = run_requests(engine, prompts, params, 2)
+        assert played["outputs"] == recorded["outputs"] and played["device_calls"] == recorded["device_calls"]
+        engine.scheduler.check_pages()
+    engine.flush_cache()
+    with pytest.raises(RuntimeError, match="host replay") as failed:
+        with playback.playing(verify=True):
+            run_requests(engine, [[11, 12, 13]] + prompts[1:], params, 2)
+    engine._fail_all(failed.value)  # what the engine's loop does with a failed round: no page may be left held
+    engine.scheduler.check_pages()

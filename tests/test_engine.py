@@ -366,6 +366,33 @@ def test_validated_params_are_kept_by_value_and_type(tiny_model, make_engine):
     assert stops.params.stop_token_ids == (5,) and stops.params is not a.params
 
 
+@pytest.mark.parametrize("schedule", ["fdfo", "sync"])
+def test_a_failed_device_call_fails_its_requests_and_keeps_every_page(tiny_model, make_engine, monkeypatch, schedule):
+    """A device call that raises (a lost device, a runtime error) fails the requests in flight; the loop goes on
+    serving and every page comes back, those reserved for blocks the failed call would have chained included."""
+    from dllm_jax.engine import runner
+
+    engine = make_engine(tiny_model, schedule=schedule, **ENGINE_KW)
+    params = {"max_new_tokens": 40, "ignore_eos": True}
+    ref = engine.generate(input_ids=PROMPTS[0], sampling_params=params)["output_ids"]
+    real, calls = runner.denoise_packed, []
+
+    def failing_second_call(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("device lost")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "denoise_packed", failing_second_call)
+    engine.start()
+    failed = engine.generate(input_ids=PROMPTS[0], sampling_params=params)
+    assert failed["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "device lost" in failed["meta_info"]["finish_reason"]["message"]
+    assert engine.generate(input_ids=PROMPTS[0], sampling_params=params)["output_ids"] == ref
+    engine.shutdown()
+    engine.scheduler.check_pages()
+
+
 def test_bad_inputs(tiny_model, make_engine):
     engine = make_engine(tiny_model, **dict(ENGINE_KW, context_length=32))
     with pytest.raises(ValueError, match=r"input_ids\[1\]"):

@@ -41,6 +41,20 @@ def test_prompt_text_and_chat_template(chat_model, make_engine):
     assert by_text["meta_info"]["prompt_tokens"] == len(engine.tokenize(text))
 
 
+def test_detokenizing_equals_the_tokenizers_decode(chat_model, make_engine):
+    """The engine decodes through the fast tokenizer's own method (skipping transformers' per-id input walk):
+    the same text as ``tokenizer.decode`` for any ids, special tokens kept or skipped."""
+    import random
+
+    engine = make_engine(chat_model, **ENGINE_KW)
+    tok = engine.tokenizer
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(0, 40))]
+        for skip in (True, False):
+            assert engine._decode(ids, skip) == tok.decode(ids, skip_special_tokens=skip)
+
+
 def test_stop_string_across_a_block_boundary(make_engine):
     # the shipped model at B = 4 (it was trained on 4 too): its text does not repeat itself, a random one may
     engine = make_engine(None, block_size=4, **dict(SHIPPED_KW, context_length=128,

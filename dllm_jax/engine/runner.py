@@ -276,7 +276,7 @@ class ModelRunner:
         self._result_layouts = {chain: result_layout(block_size, self._fresh_state, self.chain if chain else 0)
                                 for chain in (False, True)}
         self._layouts: dict[tuple[int, bool, bool], RowLayout] = {}
-        self._padding: dict[tuple[int, bool, bool, int], np.ndarray] = {}
+        self._staged: dict[tuple[int, bool, bool, int], tuple] = {}  # see _staging
         self.device_calls = 0
         # When a list (the efficiency bench sets one), every call appends a CallRecord: its bucket and how much
         # of it was real work, so a run can be set against the bare cost of its buckets.
@@ -342,13 +342,15 @@ class ModelRunner:
             self._layouts[key] = RowLayout(tuple(fields))
         return self._layouts[key]
 
-    def _padding_rows(self, width: int, penalties: bool, chain: bool, rows: int) -> np.ndarray:
-        """``rows`` packed rows that decode nothing (all positions immutable, pages the trash page, neutral
-        sampling, the algorithm's fresh state) for a call of ``denoise_layout(width, penalties, chain)``: what its
-        padding rows hold and its real rows start from. One per bucket, kept; each call copies it."""
+    def _staging(self, width: int, penalties: bool, chain: bool, rows: int):
+        """For a call of ``rows`` rows of ``denoise_layout(width, penalties, chain)``: its padding rows (they decode
+        nothing: every position immutable, pages the trash page, neutral sampling, the algorithm's fresh state),
+        what its real rows start from; a host array the call's rows are written into, and that array's field views.
+        One set per bucket, kept: building a layout's two dozen views cost more than filling them."""
         key = (width, penalties, chain, rows)
-        if key not in self._padding:
-            packed, fields = self.denoise_layout(width, penalties, chain).empty(rows)
+        if key not in self._staged:
+            layout = self.denoise_layout(width, penalties, chain)
+            padding, fields = layout.empty(rows)
             fields["immutable"][:] = 1
             fields["page_table"][:] = TRASH_PAGE
             fields["write_page"][:] = TRASH_PAGE
@@ -358,9 +360,10 @@ class ModelRunner:
                 fields["stop_ids"][:] = -1
             for k, v in self._fresh_state.items():
                 fields[STATE_PREFIX + k][:] = v
-            packed.setflags(write=False)
-            self._padding[key] = packed
-        return self._padding[key]
+            padding.setflags(write=False)
+            staging = padding.copy()
+            self._staged[key] = padding, staging, layout.views(staging)
+        return self._staged[key]
 
     def denoise_spec(self, sampling: bool, variant: int = 0, chain: bool = False) -> StepSpec:
         """The compiled step for a call: plain (greedy or sampling), or a variant (``VARIANT_*`` bits); ``chain``:
@@ -466,9 +469,8 @@ class ModelRunner:
         W = pick_bucket(max(1, max(len(r.prefix_pages) + len(r.chain_pages) for r in rows)), self.width_buckets)
         penalties = any(r.penalty is not None for r in rows)
         chain = R in self.chain_rows
-        layout = self.denoise_layout(W, penalties, chain)
-        packed = self._padding_rows(W, penalties, chain, R).copy()
-        fields = layout.views(packed)
+        padding, staging, fields = self._staging(W, penalties, chain, R)
+        np.copyto(staging, padding)
         fields["loop_cap"][:] = loop_cap
         state = {k: fields[STATE_PREFIX + k] for k in self._fresh_state}
         for i, r in enumerate(rows):
@@ -501,6 +503,7 @@ class ModelRunner:
                                    if k.startswith(PENALTY_PREFIX)})
         if any(r.logprobs >= 0 for r in rows):
             variant |= VARIANT_LOGPROBS | (VARIANT_TOP if any(r.logprobs > 0 for r in rows) else 0)
+        packed = staging.copy()  # the call's own inputs (the staging rows are rewritten by the next call)
         result = self._execute(KIND_DENOISE | (variant << 2), {"rows": packed}, (R, W, B), lower_only=lower_only)
         if lower_only:
             return result

@@ -297,7 +297,12 @@ class Scheduler:
                            penalty=self._penalty_row(r), chain_pages=chain_pages.get(id(r), []),
                            stop_ids=self._stop_ids(r) if id(r) in chain_pages else ()) for r in reqs]
         with jax.profiler.TraceAnnotation("denoise_step"):
-            out = self.runner.denoise(rows, loop_cap=loop_cap)
+            try:
+                out = self.runner.denoise(rows, loop_cap=loop_cap)
+            except BaseException:  # the pages reserved for chaining belong to no request yet: give them back
+                for pages in chain_pages.values():
+                    self.allocator.free(pages)
+                raise
         self.stats["denoise_calls"] += 1
         self.stats["denoise_forwards"] += int(out.forwards.max())
         self.stats["refresh_rows"] += len(refresh)
