@@ -9,7 +9,11 @@ charging the bucket's whole width would inflate the floor). A call that looped `
 forwards on the device (the FDFO loop, the synchronous schedule) is charged what a bare call looping ``n``
 forwards costs: ``fixed + n * per_forward``, both fitted per bucket from bare calls of 1 and of 8 forwards (3
 when one forward takes over 50 ms) in a ``fori_loop`` (on a GPU the launch and sync of a small model's call cost
-more than its forward: charging ``n`` separate calls would put the floor above the engine). The call's commit
+more than its forward: charging ``n`` separate calls would put the floor above the engine). Each forward of that
+loop is a whole one: its inputs pass an optimization barrier with the K/V every iteration, so XLA cannot hoist the
+part that depends only on the (repeated) tokens out of the loop; it did, until 2026-12-06, and the floor then
+charged the first layer's projections once a call instead of once a forward (16 rows: 5.3-5.7 ms a forward
+against the 6.7 ms of a single one). The call's commit
 forwards that stopped after writing the K/V (the engine reports how many) are charged as bare K/V-only forwards,
 so the floor is the work the engine needed, not more. ``wall / floor`` is
 what the engine adds on top of the forwards it chose to run: host work between calls, the algorithm and sampling
@@ -19,7 +23,11 @@ forward. The difference itself is split in two: ``device / floor`` (the engine's
 jitted call to its result, against the floor) and the host time per request, beside the same host work run alone
 (the run played back with every device call answered from a recording: what the engine's Python costs when no
 forward runs between its pieces) and the part of it that is the request's own API work measured bare (validating
-and building the request, detokenizing its answer).
+and building the request, detokenizing its answer). ``device alone / floor``: the run's own device calls replayed
+back to back with nothing between them; ``alone / floor``: host alone plus device alone. On a CPU the engine's
+Python and XLA's forwards share the cores and their caches, and each slows the other (host work runs 2-3x slower
+between forwards than alone); the two "alone" figures measure what the run costs without that interplay, which
+a GPU (separate memory, its own processor) does not have.
 """
 
 from __future__ import annotations
@@ -65,21 +73,29 @@ class BareForward:
         @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("select",))
         def bare(params, kv, tokens, table, prefix, write, loops, kv_loops=0, *, select):
             """``loops`` forwards back to back, then ``kv_loops`` commit forwards (K/V only, as the engine's step
-            runs them); traced counts: one executable per bucket serves every count."""
+            runs them); traced counts: one executable per bucket serves every count.
+
+            Every forward of the loops is a whole forward: the inputs pass through an optimization barrier with
+            the K/V each iteration, so XLA cannot hoist their loop-invariant part out of the loop (the first
+            layer's projections of the same tokens, a quarter of a kv-only forward's matmuls on the shipped model;
+            the engine's steps never repeat their tokens, so a hoisted floor would be one no engine can reach)."""
             kv, out = once(params, kv, tokens, table, prefix, write, select)
 
-            def body(_, carry):  # each forward reads the K/V the previous one wrote: nothing is hoisted
-                kv, acc = carry
-                kv, out = once(params, kv, tokens, table, prefix, write, select)
-                return kv, acc + out
+            def body(_, carry):  # each forward reads the K/V the previous one wrote, and its inputs anew
+                kv, acc, inputs = carry
+                kv, inputs = jax.lax.optimization_barrier((kv, inputs))
+                kv, out = once(params, kv, *inputs, select)
+                return kv, acc + out, inputs
 
             def kv_body(_, carry):
-                kv, acc = carry
-                kv, _ = forward(params, kv, tokens, table, prefix, write, None)
-                return kv, acc
+                kv, acc, inputs = carry
+                kv, inputs = jax.lax.optimization_barrier((kv, inputs))
+                kv, _ = forward(params, kv, *inputs, None)
+                return kv, acc, inputs
 
-            carry = jax.lax.fori_loop(1, loops, body, (kv, out))
-            return jax.lax.fori_loop(0, kv_loops, kv_body, carry)
+            carry = jax.lax.fori_loop(1, loops, body, (kv, out, (tokens, table, prefix, write)))
+            kv, out, _ = jax.lax.fori_loop(0, kv_loops, kv_body, carry)
+            return kv, out
 
         self._bare = bare
         self._memo: dict[tuple, float] = {}
@@ -231,7 +247,32 @@ class _DevicePlayback:
         self.calls: list[tuple[str, tuple, object]] = []  # (function, input shape, results)
         self.verify = True  # compare each played-back call's inputs with the recorded ones (untimed passes)
         self._inputs: list = []
+        self._args: list = []  # each call's own inputs, for device_seconds
         self._next = 0
+
+    def device_seconds(self, runner, verify: bool = False) -> float:
+        """The recorded run's device calls alone: each again, in order, on the runner's K/V pool, back to back (a
+        denoise call waited for, as the engine waits for it; a prefill not), with no host work between them. The
+        calls rewrite the pool as the run did (its cache was empty), so they compute what they computed then;
+        ``verify`` checks that every denoise call's results are the recorded ones."""
+        import jax
+
+        kv = runner.kv_pages
+        t0 = time.perf_counter()
+        for i, ((name, _, recorded), (args, kwargs)) in enumerate(zip(self.calls, self._args)):
+            out = self._real[name](runner.params, kv, *args, **kwargs)
+            if name == "prefill":
+                kv = out
+                continue
+            kv, results = out[0], out[1:]
+            jax.block_until_ready(results)
+            if verify and not all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
+                                  zip(jax.tree.leaves(results), jax.tree.leaves(recorded))):
+                raise RuntimeError(f"device replay: call {i} computed other results than the recorded run's")
+        jax.block_until_ready(kv)
+        seconds = time.perf_counter() - t0
+        runner.kv_pages = kv
+        return seconds
 
     @contextlib.contextmanager
     def recording(self):
@@ -240,6 +281,7 @@ class _DevicePlayback:
                 out = self._real[name](params, kv, *args, **kwargs)
                 self.calls.append((name, args[0].shape, None if name == "prefill" else out[1:]))
                 self._inputs.append(_comparable(args, kwargs))
+                self._args.append((args, kwargs))
                 return out
             return call
         with self._patched(make):
@@ -282,23 +324,25 @@ def _comparable(args, kwargs) -> list[np.ndarray]:
     return out
 
 
-def _host_replay_seconds(engine, work: Workload, passes: int = 5) -> float:
-    """The run's host work alone (see :class:`_DevicePlayback`): a recorded run, then ``passes`` played back
-    (the first checks every call's inputs against the recording), the fastest kept."""
+def _alone_seconds(engine, work: Workload, passes: int = 5) -> tuple[float, float]:
+    """The run's host work alone and its device calls alone (see :class:`_DevicePlayback`): a recorded run, then
+    ``passes`` of each, alternating (the first of each checks the replay against the recording), the fastest of
+    each kept. Returns (host seconds, device seconds)."""
     from bench.common import run_requests
 
     playback = _DevicePlayback()
     engine.flush_cache()
     with playback.recording():
         run_requests(engine, work.prompts, work.params, work.concurrency)
-    best = float("inf")
+    host, device = float("inf"), float("inf")
     for i in range(passes + 1):
         engine.flush_cache()
         with playback.playing(verify=i == 0):
             run = run_requests(engine, work.prompts, work.params, work.concurrency)
+        seconds = playback.device_seconds(engine.runner, verify=i == 0)
         if i:
-            best = min(best, run["wall_s"])
-    return best
+            host, device = min(host, run["wall_s"]), min(device, seconds)
+    return host, device
 
 
 def _api_seconds(engine, work: Workload, outputs: list[list[int]], passes: int = 5) -> float:
@@ -338,7 +382,7 @@ def run_once(engine, work: Workload, bare: BareForward, repeats: int = 1) -> dic
         replay_s = min(replay_s, replay())
     r, calls, dlog = best
     api_s = _api_seconds(engine, work, r["outputs"])
-    host_alone_s = _host_replay_seconds(engine, work)
+    host_alone_s, device_alone_s = _alone_seconds(engine, work)
     B = engine.block_size
     floor = sum(bare.seconds(c.kind, c.rows, c.width, c.blocks, c.iterations, c.max_prefix_pages, c.kv_only)
                 for c in calls)
@@ -362,6 +406,8 @@ def run_once(engine, work: Workload, bare: BareForward, repeats: int = 1) -> dic
         "host_ms_per_request": 1e3 * (wall - device) / r["requests"],
         "api_ms_per_request": 1e3 * api_s / r["requests"],
         "host_alone_ms_per_request": 1e3 * host_alone_s / r["requests"],
+        "device_alone_s": device_alone_s, "device_alone_over_floor": device_alone_s / floor if floor else float("nan"),
+        "alone_over_floor": (host_alone_s + device_alone_s) / floor if floor else float("nan"),
         "device_s": device, "device_over_floor_s": device - floor,
         "device_over_floor": device / floor if floor else float("nan"),
         "prefill_calls": len(prefill_calls), "prefill_floor_s": prefill_floor,
@@ -422,7 +468,8 @@ def efficiency(ctx: Ctx) -> dict:
                              r["replay_floor_s"], r["wall_over_replay"],
                              100 * r["host_frac"], r["host_ms_per_request"], r["host_alone_ms_per_request"],
                              r["api_ms_per_request"],
-                             r["device_over_floor"], r["device_over_floor_s"], r["prefill_calls"],
+                             r["device_over_floor"], r["device_alone_over_floor"], r["alone_over_floor"],
+                             r["device_over_floor_s"], r["prefill_calls"],
                              100 * r["padding_rows_frac"], 100 * r["padding_flops_frac"],
                              100 * r["padding_width_frac"], 100 * r["refresh_rows_frac"],
                              100 * r["kv_only_forwards"] / max(r["forwards"], 1), r["tokens_per_forward"],
@@ -434,12 +481,14 @@ def efficiency(ctx: Ctx) -> dict:
                            r["wall_over_floor"], target, higher_is_better=False,
                            note=f"device / floor {r['device_over_floor']:.2f}, host {100 * r['host_frac']:.0f}% "
                                 f"({r['host_ms_per_request']:.2f} ms a request; alone "
-                                f"{r['host_alone_ms_per_request']:.2f}), padding rows "
+                                f"{r['host_alone_ms_per_request']:.2f}), host + device alone / floor "
+                                f"{r['alone_over_floor']:.2f}, padding rows "
                                 f"{100 * r['padding_rows_frac']:.0f}%",
                            command=f"{ctx.command} efficiency")
     text = table("efficiency: wall vs the bare forwards of the same calls (floor); where the rest goes",
                  ["model", "schedule", "requests", "wall s", "floor s", "wall/floor", "replay s", "wall/replay",
-                  "host %", "host ms/req", "host alone ms/req", "api ms/req", "device/floor", "algo+sync s",
+                  "host %", "host ms/req", "host alone ms/req", "api ms/req", "device/floor",
+                  "device alone/floor", "alone/floor", "algo+sync s",
                   "prefill calls", "pad rows %", "pad FLOPs %", "pad width %", "refresh %", "K/V-only fwd %",
                   "tok/fwd", "tok/s"],
                  rows)

@@ -149,8 +149,9 @@ def test_chain_scenario_identical_tokens(tmp_path):
 
 
 def test_host_replay_plays_the_recorded_run_back(tiny_model, make_engine):
-    """The efficiency bench's host-alone figure: a recorded run played back without the device schedules the same
-    calls and gives the same answers; a run that differs from the recording is refused, not timed."""
+    """The efficiency bench's host-alone and device-alone figures: a recorded run played back without the device
+    schedules the same calls and gives the same answers; its device calls replayed alone compute the recorded
+    results; a run that differs from the recording is refused, not timed."""
     from bench.common import run_requests
     from bench.efficiency import _DevicePlayback
     from conftest import ENGINE_KW
@@ -168,6 +169,10 @@ def test_host_replay_plays_the_recorded_run_back(tiny_model, make_engine):
             played = run_requests(engine, prompts, params, 2)
         assert played["outputs"] == recorded["outputs"] and played["device_calls"] == recorded["device_calls"]
         engine.scheduler.check_pages()
+    # The device half: the recorded calls again, back to back, computing what they computed in the run.
+    assert playback.device_seconds(engine.runner, verify=True) > 0
+    engine.flush_cache()
+    assert run_requests(engine, prompts, params, 2)["outputs"] == recorded["outputs"]
     engine.flush_cache()
     with pytest.raises(RuntimeError, match="host replay") as failed:
         with playback.playing(verify=True):
