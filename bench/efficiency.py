@@ -382,7 +382,7 @@ def run_once(engine, work: Workload, bare: BareForward, repeats: int = 1) -> dic
         replay_s = min(replay_s, replay())
     r, calls, dlog = best
     api_s = _api_seconds(engine, work, r["outputs"])
-    host_alone_s, device_alone_s = _alone_seconds(engine, work, passes=5 if repeats > 1 else 2)
+    host_alone_s, device_alone_s = _alone_seconds(engine, work, passes=5 if repeats > 1 else 1)
     B = engine.block_size
     floor = sum(bare.seconds(c.kind, c.rows, c.width, c.blocks, c.iterations, c.max_prefix_pages, c.kv_only)
                 for c in calls)
