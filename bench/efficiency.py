@@ -75,10 +75,7 @@ class BareForward:
             """``loops`` forwards back to back, then ``kv_loops`` commit forwards (K/V only, as the engine's step
             runs them); traced counts: one executable per bucket serves every count.
 
-            Every forward of the loops is a whole forward: the inputs pass through an optimization barrier with
-            the K/V each iteration, so XLA cannot hoist their loop-invariant part out of the loop (the first
-            layer's projections of the same tokens, a quarter of a kv-only forward's matmuls on the shipped model;
-            the engine's steps never repeat their tokens, so a hoisted floor would be one no engine can reach)."""
+            Every forward of the loops is a whole one (the optimization barrier: see the module docstring)."""
             kv, out = once(params, kv, tokens, table, prefix, write, select)
 
             def body(_, carry):  # each forward reads the K/V the previous one wrote, and its inputs anew
@@ -245,8 +242,7 @@ class _DevicePlayback:
         self._runner = runner
         self._real = {"denoise_packed": runner.denoise_packed, "prefill": runner.prefill}
         self.calls: list[tuple[str, tuple, object]] = []  # (function, input shape, results)
-        self.verify = True  # compare each played-back call's inputs with the recorded ones (untimed passes)
-        self._inputs: list = []
+        self._inputs: list = []  # each call's inputs as compared by `playing(verify=True)`
         self._args: list = []  # each call's own inputs, for device_seconds
         self._next = 0
 
