@@ -160,6 +160,9 @@ def check_logprobs(hf32, prompt, frames, params, penalties=None):
             assert values[-1] >= rest.max() - TOL  # nothing outside the top k is more likely
             if expected[token] > values[-1] + TOL:  # the written token ranks: it is in the list
                 assert token in [t for _, t, _ in top]
+            for v, tid, _ in top:  # a token's own figure and its entry among the alternatives: one number
+                if tid == token:
+                    assert v == lp, (index, token, lp, v)
     return len(states)
 
 

@@ -179,7 +179,13 @@ def from_hidden(params, hidden, tokens, lse, k: int, *, mask_id: int, mesh=None,
     chosen = jnp.minimum(chosen - lse, 0.0)  # the dot may round a hair above the lse's own max
     if top is None:
         return chosen, None, None
-    return chosen, top[0] - lse[:, None], top[1]
+    top_logprob = jnp.minimum(top[0] - lse[:, None], 0.0)
+    # The written token's logit came from a dot of its own, the alternatives' from the tiled matmul: they may
+    # differ in the last bits. A token that is among the alternatives reports that entry's figure, so a
+    # response's logprob and its own top_logprobs entry are the same number.
+    hit = top[1] == tokens[:, None]
+    chosen = jnp.where(hit.any(-1), jnp.max(jnp.where(hit, top_logprob, -jnp.inf), axis=-1), chosen)
+    return chosen, top_logprob, top[1]
 
 
 def _sharded_from_hidden(hidden, w, tokens, k, mask_id, mesh, vocab_major):

@@ -32,7 +32,7 @@ from dllm_jax.decode.step import kv_bytes_per_page
 from dllm_jax.engine.request import Phase, Request
 from dllm_jax.engine.runner import ModelRunner
 from dllm_jax.engine.memory import plan_kv_pool
-from dllm_jax.engine.sampling import SamplingParams
+from dllm_jax.engine.sampling import SamplingParams, check_text
 from dllm_jax.engine.scheduler import Scheduler
 from dllm_jax.model.qwen3 import kv_storage_dtype
 
@@ -40,6 +40,7 @@ log = logging.getLogger("dllm_jax")
 
 SCHEDULES = ("fdfo", "sync")
 DEFAULT_MAX_RUNNING_REQUESTS = 32
+MAX_RID_CHARS = 256
 DEFAULT_CHAIN_BLOCKS = 4  # FDFO: blocks a request may go on into inside one device call (see Engine)
 
 
@@ -268,14 +269,28 @@ class Engine:
         """Compile every shape bucket now, so no request waits on a compile later (a progress bar shows it when
         ``progress`` is on; cached executables load from the persistent compilation cache). Returns the count.
         ``sampling`` / ``logprobs`` / ``penalties`` also compile the step variants for such requests (each
-        multiplies the denoise buckets; without them a first such request compiles its variant on the fly)."""
+        multiplies the denoise buckets; without them a first such request compiles its variant on the fly).
+        Without a progress bar (stderr is not a terminal: a service's log) the progress is logged as lines,
+        ``compiled 17/45 shape buckets``, one per tenth of the buckets or per 5 s, whichever comes first."""
         from tqdm import tqdm
 
         variants = dict(sampling=sampling, logprobs=logprobs, penalties=penalties)
-        with self._lock, tqdm(total=self.runner.num_buckets(**variants), desc="compiling", unit="bucket",
-                              disable=not self.progress, leave=False) as bar:
-            start = time.perf_counter()
-            count = self.runner.warmup(**variants, on_bucket=lambda: bar.update(1))
+        total = self.runner.num_buckets(**variants)
+        start = time.perf_counter()
+        shown = {"done": 0, "logged": 0, "at": start}
+        shown_lock = threading.Lock()  # buckets complete on the compile pool's threads
+
+        def log_progress():
+            with shown_lock:
+                shown["done"] += 1
+                done, now = shown["done"], time.perf_counter()
+                if done < total and (done - shown["logged"] >= max(1, total // 10) or now - shown["at"] >= 5):
+                    shown.update(logged=done, at=now)
+                    log.info("compiled %d/%d shape buckets", done, total)
+
+        with self._lock, tqdm(total=total, desc="compiling", unit="bucket", disable=not self.progress,
+                              leave=False) as bar:
+            count = self.runner.warmup(**variants, on_bucket=(lambda: bar.update(1)) if self.progress else log_progress)
         log.info("compiled %d shape buckets in %.1f s (compilation cache: %s)", count, time.perf_counter() - start,
                  self.compilation_cache or "off")
         return count
@@ -303,6 +318,10 @@ class Engine:
                              f"does not fit the context length {self.context_length}")
         if params.stop and self.tokenizer is None:
             raise ValueError("sampling_params.stop: stop strings need a tokenizer; this model has none")
+        if rid is not None:
+            if not isinstance(rid, str) or not rid or len(rid) > MAX_RID_CHARS:
+                raise ValueError(f"rid: must be a non-empty string of at most {MAX_RID_CHARS} characters")
+            check_text(rid, "rid")
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2 ** 32))
         return Request(rid=rid or uuid.uuid4().hex, prompt_ids=list(map(int, input_ids)), params=params,
                        seed=seed, on_event=on_event, provisional=provisional, stream=stream or provisional)
@@ -335,6 +354,7 @@ class Engine:
     def tokenize(self, text: str, field: str = "text") -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"{field}: must be a string, got {type(text).__name__}")
+        check_text(text, field, allow_nul=True)
         if self.tokenizer is None:
             raise ValueError(f"{field}: this model has no tokenizer; pass input_ids")
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -420,7 +440,10 @@ class Engine:
         while not self._stop.is_set():
             try:
                 busy = self.step()
-            except Exception as e:  # the loop never dies: fail the in-flight requests, keep serving
+            except Exception as e:  # the loop never dies. Errors of one request or one device call fail only
+                # those (the scheduler's isolation); what reaches here is a fault of the scheduler itself, after
+                # which no request's state can be trusted: fail the in-flight ones, keep serving
+                log.exception("engine loop: %s", e)
                 self._fail_all(e)
                 busy = False
             if not busy:

@@ -142,6 +142,15 @@ def _count_step_compile(event: str, duration_secs: float, **kwargs) -> None:
 jax.monitoring.register_event_duration_secs_listener(_count_step_compile)
 
 
+class RowError(Exception):
+    """Packing row ``index`` of a call failed (a value its field's dtype cannot hold, a table overflow): the
+    scheduler fails that row's request and runs the others."""
+
+    def __init__(self, index: int, error: Exception):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.index, self.error = index, error
+
+
 @dataclasses.dataclass
 class CallRecord:
     """One device call: its bucket (``rows`` x ``width`` pages, ``blocks`` per row) and its real content."""
@@ -250,6 +259,7 @@ class ModelRunner:
         self.mesh = mesh
         self.channel = channel  # multi-host: how the leader's step inputs reach the followers
         self.kv_pages = init_kv_pages(cfg, num_pages, block_size, kv_dtype)
+        self._num_pages, self._kv_dtype = num_pages, kv_dtype
         if mesh is not None:
             from dllm_jax.sharding import shard_kv_pages, shard_params
 
@@ -278,6 +288,14 @@ class ModelRunner:
         self._layouts: dict[tuple[int, bool, bool], RowLayout] = {}
         self._staged: dict[tuple[int, bool, bool, int], tuple] = {}  # see _staging
         self.device_calls = 0
+        # Compiled call shapes (``buckets()`` tuples) and the step variants warm-up compiled for every bucket; a
+        # variant outside those compiles on a background thread while the calls that do not need it go on (see
+        # :meth:`compile_soon`). One thread: the other cores keep serving.
+        self._compiled: set[tuple] = set()
+        self.warmed_classes: set[tuple[bool, int]] = set()  # (sampling, variant) compiled for every bucket
+        self._compiling: dict[tuple, concurrent.futures.Future] = {}
+        self._compile_failed: dict[tuple, BaseException] = {}
+        self._compile_pool: concurrent.futures.ThreadPoolExecutor | None = None
         # When a list (the efficiency bench sets one), every call appends a CallRecord: its bucket and how much
         # of it was real work, so a run can be set against the bare cost of its buckets.
         self.call_log: list | None = None
@@ -285,22 +303,17 @@ class ModelRunner:
     # -------------------------------------------------------------------------------------------
     # Device calls. With several processes (multi-host), the leader sends every call's padded inputs to the
     # followers first, so all processes run the same SPMD program on the same data.
-    def _execute(self, kind: int, arrays: dict[str, np.ndarray], shape: tuple[int, int, int], *,
-                 lower_only: bool = False):
-        """Run one device call, or with ``lower_only`` just trace and lower it and return the ``jax.stages.Lowered``
-        (its ``compile()`` puts the executable in JAX's caches, so the first real call of the shape runs it without
-        compiling; nothing is computed, and followers are not told: they would run it). ``shape``: (rows,
-        page-table width, tokens per row), what followers shape their arrays from (see :meth:`_template`)."""
-        if self.channel is not None and not lower_only:
+    def _execute(self, kind: int, arrays: dict[str, np.ndarray], shape: tuple[int, int, int]):
+        """Run one device call. ``shape``: (rows, page-table width, tokens per row), what followers shape their
+        arrays from (see :meth:`_template`). (A call whose executable was compiled ahead of time, by
+        :meth:`_lower` ``.compile()``, finds it in JAX's caches and does not compile.)"""
+        if self.channel is not None:
             self.channel.send(np.asarray([kind, *shape], np.int32), arrays)
-        if not lower_only:
-            self.device_calls += 1
+        self.device_calls += 1
         kind, variant = kind & 3, kind >> 2
         if kind == KIND_PREFILL:
             args = (self.params, self.kv_pages, arrays["tokens"], arrays["page_table"], arrays["prefix_len"],
                     arrays["write"])
-            if lower_only:
-                return prefill.lower(*args, spec=self.prefill_spec)
             self.kv_pages = prefill(*args, spec=self.prefill_spec)
             return None
         chain = shape[0] in self.chain_rows
@@ -309,8 +322,6 @@ class ModelRunner:
         sampling = bool(np.any((layout.view(rows, "temperature") > 0) & (layout.view(rows, "top_k") != 1)))
         spec = self.denoise_spec(sampling, variant, chain)
         args = (self.params, self.kv_pages, rows)
-        if lower_only:
-            return denoise_packed.lower(*args, spec=spec, layout=layout)
         self.kv_pages, *result = denoise_packed(*args, spec=spec, layout=layout)
         return result
 
@@ -437,8 +448,8 @@ class ModelRunner:
         """How many rows of ``chunk`` blocks one prefill call may carry."""
         return self.buckets_spec.prefill_rows_for(pick_bucket(chunk, self.chunk_buckets))[-1]
 
-    def prefill(self, rows: list[PrefillRow], *, lower_only: bool = False):
-        """One prefill call over ``rows`` (writes their KV pages); ``lower_only``: return the lowered call."""
+    def prefill(self, rows: list[PrefillRow]):
+        """One prefill call over ``rows`` (writes their KV pages)."""
         B = self.block_size
         R, C = self.prefill_shape(len(rows), max(len(r.write_pages) for r in rows))
         W = self.prefill_width
@@ -451,17 +462,17 @@ class ModelRunner:
             table[i, : len(r.prefix_pages)] = r.prefix_pages
             prefix[i] = len(r.prefix_pages) * B
             write[i, : len(r.write_pages)] = r.write_pages
-        if self.call_log is not None and not lower_only:
+        if self.call_log is not None:
             self.call_log.append(CallRecord("prefill", R, W, C, len(rows), sum(len(r.write_pages) for r in rows),
                                             sum(len(r.prefix_pages) for r in rows), 0, False,
                                             max_prefix_pages=max(len(r.prefix_pages) for r in rows)))
-        return self._execute(KIND_PREFILL, {"tokens": tokens, "page_table": table, "prefix_len": prefix,
-                                            "write": write}, (R, W, C * B), lower_only=lower_only)
+        self._execute(KIND_PREFILL, {"tokens": tokens, "page_table": table, "prefix_len": prefix, "write": write},
+                      (R, W, C * B))
+        self._compiled.add(("prefill", R, C, W))
 
-    def denoise(self, rows: list[DecodeRow], loop_cap: int = 1, *, lower_only: bool = False):
+    def denoise(self, rows: list[DecodeRow], loop_cap: int = 1):
         """One denoise call over ``rows``: one step, or (FDFO) up to ``loop_cap`` steps until the first row with
-        something to decode is done, or (sync) the whole block loop; returns a ``DecodeOutput``. ``lower_only``:
-        return the lowered call instead (see ``_execute``)."""
+        something to decode is done, or (sync) the whole block loop; returns a ``DecodeOutput``."""
         B = self.block_size
         n = len(rows)
         R = pick_bucket(n, self.row_buckets)
@@ -474,28 +485,10 @@ class ModelRunner:
         fields["loop_cap"][:] = loop_cap
         state = {k: fields[STATE_PREFIX + k] for k in self._fresh_state}
         for i, r in enumerate(rows):
-            fields["tokens"][i] = r.tokens
-            fields["immutable"][i] = r.immutable
-            fields["page_table"][i, : len(r.prefix_pages)] = r.prefix_pages
-            fields["prefix_len"][i] = len(r.prefix_pages) * B
-            fields["write_page"][i] = r.write_page
-            fields["steps_taken"][i] = r.steps_taken
-            fields["temperature"][i] = r.temperature
-            fields["top_k"][i] = r.top_k
-            fields["top_p"][i] = r.top_p
-            fields["seed"][i] = r.seed
-            fields["rng_step"][i] = r.rng_step
-            if r.algo_state is not None:
-                for k, v in r.algo_state.items():
-                    state[k][i] = v
-            if r.chain_pages:
-                if not chain or len(r.chain_pages) > self.chain or len(r.stop_ids) > CHAIN_STOP_IDS:
-                    raise ValueError(f"chain tables overflow: {len(r.chain_pages)} pages (room for "
-                                     f"{self.chain if chain else 0} in a call of {R} rows), {len(r.stop_ids)} stop "
-                                     f"ids (room for {CHAIN_STOP_IDS})")
-                fields["chain_pages"][i, :len(r.chain_pages)] = r.chain_pages
-                fields["chain_left"][i] = len(r.chain_pages)
-                fields["stop_ids"][i, :len(r.stop_ids)] = r.stop_ids
+            try:
+                self._fill_row(fields, state, i, r, chain, R)
+            except Exception as e:  # a value the checks let through: that row's request fails, not the call's
+                raise RowError(i, e) from e
         variant = 0
         if penalties:
             variant |= VARIANT_PENALTIES
@@ -504,9 +497,9 @@ class ModelRunner:
         if any(r.logprobs >= 0 for r in rows):
             variant |= VARIANT_LOGPROBS | (VARIANT_TOP if any(r.logprobs > 0 for r in rows) else 0)
         packed = staging.copy()  # the call's own inputs (the staging rows are rewritten by the next call)
-        result = self._execute(KIND_DENOISE | (variant << 2), {"rows": packed}, (R, W, B), lower_only=lower_only)
-        if lower_only:
-            return result
+        result = self._execute(KIND_DENOISE | (variant << 2), {"rows": packed}, (R, W, B))
+        sampled = bool(np.any((fields["temperature"] > 0) & (fields["top_k"] != 1)))
+        self._compiled.add(("denoise", R, W, sampled, variant))
         # The one host sync of this step. np.array, not jax.device_get: on XLA:CPU it reads the buffer directly
         # (~1 us; device_get's asynchronous copy costs ~0.1 ms a call).
         results, record = np.array(result[0]), jax.tree.map(np.asarray, result[1])
@@ -516,7 +509,6 @@ class ModelRunner:
             chained = res["chain_blocks"]
             forwards = forwards + res["chain_steps"].sum(axis=1)
         if self.call_log is not None:
-            sampled = bool(np.any((fields["temperature"] > 0) & (fields["top_k"] != 1)))
             self.call_log.append(CallRecord("denoise", R, W, 1, n, n, sum(len(r.prefix_pages) for r in rows),
                                             sum(r.refresh for r in rows), sampled, int(forwards.max()),
                                             max(len(r.prefix_pages) + int(c) for r, c in zip(rows, chained)),
@@ -531,6 +523,112 @@ class ModelRunner:
             if record.top_ids is not None:
                 out.top_logprob, out.top_ids = np.asarray(record.top_logprob[:n]), np.asarray(record.top_ids[:n])
         return out
+
+    def _fill_row(self, fields: dict, state: dict, i: int, r: DecodeRow, chain: bool, R: int) -> None:
+        """Write row ``i`` of a denoise call into the staging views (numpy checks each value against its dtype)."""
+        fields["tokens"][i] = r.tokens
+        fields["immutable"][i] = r.immutable
+        fields["page_table"][i, : len(r.prefix_pages)] = r.prefix_pages
+        fields["prefix_len"][i] = len(r.prefix_pages) * self.block_size
+        fields["write_page"][i] = r.write_page
+        fields["steps_taken"][i] = r.steps_taken
+        fields["temperature"][i] = r.temperature
+        fields["top_k"][i] = r.top_k
+        fields["top_p"][i] = r.top_p
+        fields["seed"][i] = r.seed
+        fields["rng_step"][i] = r.rng_step
+        if r.algo_state is not None:
+            for k, v in r.algo_state.items():
+                state[k][i] = v
+        if r.chain_pages:
+            if not chain or len(r.chain_pages) > self.chain or len(r.stop_ids) > CHAIN_STOP_IDS:
+                raise ValueError(f"chain tables overflow: {len(r.chain_pages)} pages (room for "
+                                 f"{self.chain if chain else 0} in a call of {R} rows), {len(r.stop_ids)} stop "
+                                 f"ids (room for {CHAIN_STOP_IDS})")
+            fields["chain_pages"][i, :len(r.chain_pages)] = r.chain_pages
+            fields["chain_left"][i] = len(r.chain_pages)
+            fields["stop_ids"][i, :len(r.stop_ids)] = r.stop_ids
+
+    def pool_lost(self) -> bool:
+        """After a device call raised: whether the KV pool went with it (it is donated to every call, so a failure
+        once the call started leaves no pool). Then a fresh, empty pool replaces it and every cached or running
+        request's KV is gone (the scheduler fails the running requests and empties the prefix index)."""
+        if not self.kv_pages.is_deleted():
+            return False
+        kv_pages = init_kv_pages(self.cfg, self._num_pages, self.block_size, self._kv_dtype)
+        if self.mesh is not None:
+            from dllm_jax.sharding import shard_kv_pages
+
+            kv_pages = shard_kv_pages(kv_pages, self.cfg, self.mesh)
+        self.kv_pages = kv_pages
+        return True
+
+    # -------------------------------------------------------------------------------------------
+    # Which executables exist, and compiling the missing ones off the scheduler's thread
+    # -------------------------------------------------------------------------------------------
+    def denoise_key(self, rows: int, pages: int, *, sampling: bool, penalties: bool, logprobs: bool,
+                    top: bool) -> tuple:
+        """The ``buckets()`` tuple of a denoise call of ``rows`` rows whose longest page table holds ``pages``."""
+        variant = ((VARIANT_PENALTIES if penalties else 0) | (VARIANT_LOGPROBS if logprobs or top else 0)
+                   | (VARIANT_TOP if top else 0))
+        return ("denoise", pick_bucket(rows, self.row_buckets), pick_bucket(max(1, pages), self.width_buckets),
+                sampling, variant)
+
+    def compiles_in_background(self, key: tuple) -> bool:
+        """Whether a call of ``key`` must wait for a background compile: its step variant was not warmed up and its
+        executable is not compiled yet. (Single-process engines only: followers compile what the leader runs.)
+        A key whose background compile failed reads False: the call then runs and fails with the error."""
+        return (self.channel is None and key[0] == "denoise" and key not in self._compiled
+                and key[3:] not in self.warmed_classes and key not in self._compile_failed)
+
+    def compile_soon(self, key: tuple) -> None:
+        """Compile ``key``'s executable on the background thread (once; a no-op if compiled or under way)."""
+        if key in self._compiled or key in self._compiling or key in self._compile_failed:
+            return
+        if self._compile_pool is None:
+            self._compile_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dllm-compile")
+        future = self._compile_pool.submit(self._compile_key, key)
+        self._compiling[key] = future
+
+    def _compile_key(self, key: tuple) -> None:
+        try:
+            self._lower(key).compile()
+            self._compiled.add(key)
+        except BaseException as e:  # the call that needs it runs and fails with it (its requests only)
+            self._compile_failed[key] = e
+        finally:
+            self._compiling.pop(key, None)
+
+    def wait_for_compiles(self, timeout: float) -> None:
+        """Block up to ``timeout`` seconds until a background compile finishes (the scheduler, with nothing it
+        can run, waits here instead of spinning)."""
+        pending = list(self._compiling.values())
+        if pending:
+            concurrent.futures.wait(pending, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def _abstract(self, tree):
+        """Shapes of device arrays, as the jitted call sees them (a sharding only where a mesh placed them: a
+        single device's arrays lower without one, and so must these, for the call to find the executable)."""
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                           sharding=x.sharding if self.mesh is not None else None),
+                            tree)
+
+    def _lower(self, key: tuple):
+        """Trace and lower the call of ``key`` from abstract inputs (shapes only: no host staging array and no
+        device buffer is touched, so this may run on another thread while calls run)."""
+        B = self.block_size
+        params, kv_pages = self._abstract(self.params), self._abstract(self.kv_pages)
+        if key[0] == "prefill":
+            _, R, C, W = key
+            i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
+            return prefill.lower(params, kv_pages, i32(R, C * B), i32(R, W), i32(R), i32(R, C),
+                                 spec=self.prefill_spec)
+        _, R, W, sampling, variant = key
+        chain = R in self.chain_rows
+        layout = self.denoise_layout(W, bool(variant & VARIANT_PENALTIES), chain)
+        rows = jax.ShapeDtypeStruct((R, layout.width), np.int32)
+        return denoise_packed.lower(params, kv_pages, rows, spec=self.denoise_spec(sampling, variant, chain),
+                                    layout=layout)
 
     # -------------------------------------------------------------------------------------------
     def buckets(self, *, sampling: bool = False, logprobs: bool = False, penalties: bool = False) -> list[tuple]:
@@ -564,12 +662,19 @@ class ModelRunner:
         inside a later collective."""
         B = self.block_size
         lower_only = self.channel is None
+        buckets = self.buckets(sampling=sampling, logprobs=logprobs, penalties=penalties)
         count = 0
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1,
                                                    thread_name_prefix="dllm-compile") as pool:
             pending = []
-            for bucket in self.buckets(sampling=sampling, logprobs=logprobs, penalties=penalties):
-                if bucket[0] == "denoise":
+            for bucket in buckets:
+                count += 1
+                if lower_only:
+                    pending.append(pool.submit(self._lower(bucket).compile))
+                    if on_bucket is not None:
+                        pending[-1].add_done_callback(lambda _: on_bucket())
+                    continue
+                if bucket[0] == "denoise":  # followers: run each bucket (padding rows) so every process compiles
                     _, R, W, sampled, variant = bucket
                     lps = -1 if not variant & VARIANT_LOGPROBS else (1 if variant & VARIANT_TOP else 0)
                     row = DecodeRow(tokens=np.zeros(B, np.int32), immutable=np.ones(B, np.bool_),
@@ -577,20 +682,17 @@ class ModelRunner:
                                     temperature=1.0 if sampled else 0.0, top_k=-1, top_p=1.0, seed=0, rng_step=0,
                                     algo_state=None, logprobs=lps,
                                     penalty=PenaltyRow([], 0) if variant & VARIANT_PENALTIES else None)
-                    lowered = self.denoise([row] * R, lower_only=lower_only)
+                    self.denoise([row] * R)
                 else:
                     _, R, C, W = bucket
-                    lowered = self.prefill([PrefillRow(tokens=[0] * (C * B), prefix_pages=[TRASH_PAGE] * W,
-                                                       write_pages=[TRASH_PAGE] * C)] * R, lower_only=lower_only)
-                count += 1
-                if lower_only:
-                    pending.append(pool.submit(lowered.compile))
-                    if on_bucket is not None:
-                        pending[-1].add_done_callback(lambda _: on_bucket())
-                elif on_bucket is not None:
+                    self.prefill([PrefillRow(tokens=[0] * (C * B), prefix_pages=[TRASH_PAGE] * W,
+                                             write_pages=[TRASH_PAGE] * C)] * R)
+                if on_bucket is not None:
                     on_bucket()
             for future in pending:
                 future.result()  # a compile error surfaces here, in the caller's thread
+        self._compiled.update(buckets)
+        self.warmed_classes.update(b[3:] for b in buckets if b[0] == "denoise")
         jax.block_until_ready(self.kv_pages)
         return count
 
@@ -615,15 +717,23 @@ def _fill_penalties(rows: list[DecodeRow], out: dict[str, np.ndarray]) -> None:
         p = r.penalty
         if p is None:
             continue
-        if len(p.history) > history_len or len(p.bias) > MAX_LOGIT_BIAS or len(p.stop_ids) > MAX_MIN_NEW_STOP_IDS:
-            raise ValueError(f"penalty tables overflow: {len(p.history)} history tokens (room for {history_len}), "
-                             f"{len(p.bias)} biases, {len(p.stop_ids)} stop ids")
-        out["history"][i, :len(p.history)] = p.history
-        out["prompt_len"][i] = p.prompt_len
-        out["presence"][i], out["frequency"][i], out["repetition"][i] = p.presence, p.frequency, p.repetition
-        out["min_new"][i] = p.min_new
-        if p.bias:
-            out["bias_ids"][i, :len(p.bias)] = [t for t, _ in p.bias]
-            out["bias"][i, :len(p.bias)] = [b for _, b in p.bias]
-        out["stop_ids"][i, :len(p.stop_ids)] = p.stop_ids
-        out["active"][i] = bool(p.presence or p.frequency or p.repetition != 1.0 or p.min_new or p.bias)
+        try:
+            _fill_penalty_row(out, i, p, history_len)
+        except Exception as e:
+            raise RowError(i, e) from e
+
+
+def _fill_penalty_row(out: dict[str, np.ndarray], i: int, p: "PenaltyRow", history_len: int) -> None:
+    """Row ``i`` of the penalty tables (a value that does not fit its table or dtype raises)."""
+    if len(p.history) > history_len or len(p.bias) > MAX_LOGIT_BIAS or len(p.stop_ids) > MAX_MIN_NEW_STOP_IDS:
+        raise ValueError(f"penalty tables overflow: {len(p.history)} history tokens (room for {history_len}), "
+                         f"{len(p.bias)} biases, {len(p.stop_ids)} stop ids")
+    out["history"][i, :len(p.history)] = p.history
+    out["prompt_len"][i] = p.prompt_len
+    out["presence"][i], out["frequency"][i], out["repetition"][i] = p.presence, p.frequency, p.repetition
+    out["min_new"][i] = p.min_new
+    if p.bias:
+        out["bias_ids"][i, :len(p.bias)] = [t for t, _ in p.bias]
+        out["bias"][i, :len(p.bias)] = [b for _, b in p.bias]
+    out["stop_ids"][i, :len(p.stop_ids)] = p.stop_ids
+    out["active"][i] = bool(p.presence or p.frequency or p.repetition != 1.0 or p.min_new or p.bias)

@@ -17,6 +17,15 @@ MAX_NEW_TOKENS_LIMIT = 1 << 20  # anything larger is a mistake, not a request
 MAX_TOP_LOGPROBS = 20  # alternatives per output token (OpenAI's limit); the device computes this many
 MAX_LOGIT_BIAS = 300  # entries (OpenAI's limit); the device takes a fixed-width table of this many
 MAX_MIN_NEW_STOP_IDS = 64  # EOS + stop token ids masked by min_new_tokens (a fixed-width table on the device)
+MAX_STOP_STRINGS = 16  # host-side stop strings per request (each commit searches the text for every one)
+MAX_STOP_TOKEN_IDS = 1024  # stop token ids per request
+INT32_MAX = 2 ** 31 - 1  # top_k, token ids and counts travel to the device as int32
+FLOAT32_MAX = 3.4028234663852886e38  # temperature travels as float32: larger values would become inf
+# SGLang's rule: a temperature below this samples as greedy (dividing logits by it would overflow float32)
+SAMPLING_EPS = 1e-6
+# top_p travels as float32; a smaller p keeps only the most likely token exactly as any p <= 1 / vocab does, so
+# it is raised to this (which float32 holds) rather than rounding to 0, which would keep no token at all
+MIN_TOP_P = 1e-9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,29 +96,37 @@ class SamplingParams:
             out["max_new_tokens"] = int(v)
         if "temperature" in values:
             v = values["temperature"]
-            if not _is_number(v) or v < 0 or v != v or v == float("inf"):
-                raise ValueError(f"{field('temperature')}: must be a finite number >= 0, got {v!r}")
-            out["temperature"] = float(v)
+            if not _is_number(v) or not 0 <= v <= FLOAT32_MAX:
+                raise ValueError(f"{field('temperature')}: must be a finite number >= 0 (at most {FLOAT32_MAX:.4g}, "
+                                 f"float32's largest), got {v!r}")
+            out["temperature"] = float(v) if v >= SAMPLING_EPS else 0.0
         if "top_p" in values:
             v = values["top_p"]
             if not _is_number(v) or not 0 < v <= 1:
                 raise ValueError(f"{field('top_p')}: must be in (0, 1], got {v!r}")
-            out["top_p"] = float(v)
+            out["top_p"] = max(float(v), MIN_TOP_P)
         if "top_k" in values:
             v = values["top_k"]
-            if not _is_int(v) or (v < 1 and v not in (-1, 0)):
-                raise ValueError(f"{field('top_k')}: must be -1 / 0 (off) or an integer >= 1, got {v!r}")
+            if not _is_int(v) or (v < 1 and v not in (-1, 0)) or v > INT32_MAX:
+                raise ValueError(f"{field('top_k')}: must be -1 / 0 (off) or an integer from 1 to {INT32_MAX} "
+                                 f"(a k at or above the vocabulary size keeps every token), got {v!r}")
             out["top_k"] = int(v)
         if "stop" in values:
             v = values["stop"]
             v = [v] if isinstance(v, str) else v
             if not isinstance(v, (list, tuple)) or not all(isinstance(s, str) and s for s in v):
                 raise ValueError(f"{field('stop')}: must be a non-empty string or a list of them, got {v!r}")
+            if len(v) > MAX_STOP_STRINGS:
+                raise ValueError(f"{field('stop')}: at most {MAX_STOP_STRINGS} stop strings, got {len(v)}")
+            for i, s in enumerate(v):
+                check_text(s, f"{field('stop')}[{i}]")
             out["stop"] = tuple(v)
         if "stop_token_ids" in values:
             v = values["stop_token_ids"]
             if not isinstance(v, (list, tuple)) or not all(_is_int(t) for t in v):
                 raise ValueError(f"{field('stop_token_ids')}: must be a list of integers, got {v!r}")
+            if len(v) > MAX_STOP_TOKEN_IDS:
+                raise ValueError(f"{field('stop_token_ids')}: at most {MAX_STOP_TOKEN_IDS} ids, got {len(v)}")
             for t in v:
                 if t < 0 or (vocab_size is not None and t >= vocab_size):
                     raise ValueError(f"{field('stop_token_ids')}: token id {t} is outside the vocabulary")
@@ -201,6 +218,19 @@ def _logit_bias(v, name: str, vocab_size: int | None) -> tuple[tuple[int, float]
             raise ValueError(f"{name}.{key}: token id {tid} appears twice")
         out[tid] = float(bias)
     return tuple(sorted(out.items()))
+
+
+def check_text(text: str, field: str, *, allow_nul: bool = False) -> str:
+    """``text`` if it can travel as UTF-8 (to the tokenizer, into JSON): a lone surrogate (``"\\ud800"``, which
+    JSON can spell) is a ValueError naming the field, not a crash later in the tokenizer or the response; so is a
+    NUL unless ``allow_nul`` (a prompt may hold one; an id or a stop string has no use for it)."""
+    if not allow_nul and "\x00" in text:
+        raise ValueError(f"{field}: contains a NUL character")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{field}: not valid Unicode text ({e.reason} at character {e.start})") from None
+    return text
 
 
 def _is_int(v) -> bool:

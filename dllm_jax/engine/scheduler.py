@@ -14,11 +14,17 @@ One call of :meth:`Scheduler.step` is one round:
 
 Invariant kept at every step boundary: each KV page is free, owned by exactly one request (``own_pages``), or held
 by the radix index (kept alive for a request by the lock on its ``node``).
+
+Isolation: an error that belongs to one request (a value its row cannot hold, a failing commit or ``on_event``
+callback) fails that request alone, with the error in its ``finish_reason``; a device call that raises fails the
+requests of that call. The others, running or waiting, are served on (:meth:`Scheduler._fail`). With several
+processes a failed device call is the group's failure instead (the engine's, see ``Engine._group_failed``).
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from typing import Callable
 
@@ -29,7 +35,10 @@ from dllm_jax.cache.pages import OutOfPages, PageAllocator
 from dllm_jax.cache.radix import BlockRadixIndex
 from dllm_jax.engine.request import Phase, Request
 from dllm_jax.decode.step import CHAIN_STOP_IDS, RNG_STEPS_PER_BLOCK
-from dllm_jax.engine.runner import CHAIN_MAX_ROWS, DecodeOutput, DecodeRow, ModelRunner, PenaltyRow, PrefillRow
+from dllm_jax.engine.runner import (CHAIN_MAX_ROWS, DecodeOutput, DecodeRow, ModelRunner, PenaltyRow, PrefillRow,
+                                     RowError)
+
+log = logging.getLogger("dllm_jax")
 
 
 PROVISIONAL = {"provisional": True}  # the event of a denoise step that left the block unfinished
@@ -85,8 +94,8 @@ class Scheduler:
         if prefill_reqs:
             self._prefill_round(prefill_reqs)
         decode_reqs = [r for r in self.running if r.phase is Phase.DECODE]
-        if decode_reqs:
-            self._decode_round(decode_reqs)
+        if decode_reqs and not self._decode_round(decode_reqs) and not prefill_reqs:
+            self.runner.wait_for_compiles(0.05)  # nothing could run: every row waits for a compile
 
     # ------------------------------------------------------------------------------------------
     # Admission
@@ -101,37 +110,51 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and len(self.running) < self.max_running:
             req = self.waiting[i]
-            real = req.real_ids
-            if len(real) >= B and tuple(real[:B]) in being_prefilled:
+            try:
+                admitted = self._admit_one(req, i, being_prefilled)
+            except Exception as e:
+                self._fail(req, e)
+                continue
+            if admitted is None:
+                break
+            if not admitted:
                 i += 1
-                continue
-            with jax.profiler.TraceAnnotation("radix.match"):
-                match = self.radix.match(real, len(real))
-            self.radix.lock(match.node)
-            # Pages this request needs before its first denoise step: the uncached complete blocks plus one.
-            need = len(real) // B - len(match.pages) + 1
-            available = self.allocator.num_free + self.radix.evictable
-            if need > available and self.running:
-                self.radix.unlock(match.node)
-                break  # wait until running requests release pages
-            del self.waiting[i]
-            if need > self.allocator.capacity:
-                self.radix.unlock(match.node)
-                self._finish(req, {"type": "abort", "message": f"the request needs {need} KV pages but the pool "
-                                                               f"holds {self.allocator.capacity}; raise num_kv_pages"},
-                             insert=False)
-                continue
-            req.node = match.node
-            req.pages = list(match.pages)
-            req.own_pages = set()
-            if req.cached_tokens is None:
-                req.cached_tokens = match.matched_len
-                self.stats["cached_tokens"] += match.matched_len
-            req.admitted_once = True
-            self.running.append(req)
-            self._classify(req)
-            if req.phase is Phase.PREFILL and self.radix.enabled:
-                being_prefilled.add(tuple(real[:B]))
+
+    def _admit_one(self, req: Request, i: int, being_prefilled: set) -> bool | None:
+        """Admit ``waiting[i]``: True if it left the queue (admitted or refused), False to skip it for now, None to
+        stop admitting this round (not enough pages while others run)."""
+        B = self.B
+        real = req.real_ids
+        if len(real) >= B and tuple(real[:B]) in being_prefilled:
+            return False
+        with jax.profiler.TraceAnnotation("radix.match"):
+            match = self.radix.match(real, len(real))
+        self.radix.lock(match.node)
+        # Pages this request needs before its first denoise step: the uncached complete blocks plus one.
+        need = len(real) // B - len(match.pages) + 1
+        available = self.allocator.num_free + self.radix.evictable
+        if need > available and self.running:
+            self.radix.unlock(match.node)
+            return None  # wait until running requests release pages
+        del self.waiting[i]
+        if need > self.allocator.capacity:
+            self.radix.unlock(match.node)
+            self._finish(req, {"type": "abort", "message": f"the request needs {need} KV pages but the pool "
+                                                           f"holds {self.allocator.capacity}; raise num_kv_pages"},
+                         insert=False)
+            return True
+        req.node = match.node
+        req.pages = list(match.pages)
+        req.own_pages = set()
+        if req.cached_tokens is None:
+            req.cached_tokens = match.matched_len
+            self.stats["cached_tokens"] += match.matched_len
+        req.admitted_once = True
+        self.running.append(req)
+        self._classify(req)
+        if req.phase is Phase.PREFILL and self.radix.enabled:
+            being_prefilled.add(tuple(real[:B]))
+        return True
 
     def _classify(self, req: Request) -> None:
         """Prefill iff the next block consists only of real tokens (whatever their values); after the match."""
@@ -231,13 +254,20 @@ class Scheduler:
             rows.append(PrefillRow(tokens=req.real_ids[start:start + len(pages) * B], prefix_pages=list(req.pages),
                                    write_pages=pages))
         with jax.profiler.TraceAnnotation("prefill"):
-            self.runner.prefill(rows)
+            try:
+                self.runner.prefill(rows)
+            except Exception as e:
+                self._fail_call([req for req, _ in allocated], e)
+                return
         self.stats["prefill_forwards"] += 1
         for req, pages in allocated:
-            req.pages.extend(pages)
-            req.forward_passes += 1
-            self._insert(req)
-            self._classify(req)
+            try:
+                req.pages.extend(pages)
+                req.forward_passes += 1
+                self._insert(req)
+                self._classify(req)
+            except Exception as e:
+                self._fail(req, e)
 
     # ------------------------------------------------------------------------------------------
     # Denoise
@@ -270,7 +300,8 @@ class Scheduler:
             req.block_top_ids = np.zeros((B, k), np.int32)
         return True
 
-    def _decode_round(self, reqs: list[Request]) -> None:
+    def _decode_round(self, reqs: list[Request]) -> bool:
+        """One denoise call over the decoding requests that can run now; False if none could."""
         for req in reqs:
             if req.block_tokens is None and req.phase is Phase.DECODE:
                 self._start_block(req)
@@ -278,8 +309,9 @@ class Scheduler:
         # Folded commits from the last round: re-encode those blocks in this same forward (the model writes K/V
         # before attending, so this round's next blocks already read the exact KV).
         refresh = [r for r in self.running if r.stale_tokens is not None]
+        reqs = self._runnable(reqs, refresh)
         if not reqs and not refresh:
-            return
+            return False
         B = self.B
         loop_cap = self._loop_cap(reqs, refresh)
         # FDFO chains calls of up to CHAIN_MAX_ROWS requests; the synchronous schedule a request running alone (its
@@ -287,6 +319,10 @@ class Scheduler:
         chains = (loop_cap > 1 and len(reqs) <= (1 if self.runner.loop else CHAIN_MAX_ROWS)
                   and self.runner.can_chain(len(reqs) + len(refresh)))
         chain_pages = self._reserve_chain_pages(reqs) if chains else {}
+        if chain_pages and self.runner.compiles_in_background(self._call_key(reqs, refresh, chain_pages)):
+            for pages in chain_pages.values():  # the wider page table chaining needs is not compiled: no chaining
+                self.allocator.free(pages)
+            chain_pages = {}
         rows = [DecodeRow(tokens=r.stale_tokens, immutable=np.ones((B,), np.bool_), prefix_pages=r.pages[:-1],
                           write_page=r.pages[-1], steps_taken=0, temperature=0.0, top_k=-1, top_p=1.0, seed=0,
                           rng_step=0, algo_state=None, refresh=True) for r in refresh]
@@ -299,37 +335,87 @@ class Scheduler:
         with jax.profiler.TraceAnnotation("denoise_step"):
             try:
                 out = self.runner.denoise(rows, loop_cap=loop_cap)
-            except BaseException:  # the pages reserved for chaining belong to no request yet: give them back
+            except BaseException as e:  # the pages reserved for chaining belong to no request yet: give them back
                 for pages in chain_pages.values():
                     self.allocator.free(pages)
-                raise
+                if not isinstance(e, Exception):
+                    raise
+                self._fail_call(refresh + reqs, e)
+                return True
         self.stats["denoise_calls"] += 1
         self.stats["denoise_forwards"] += int(out.forwards.max())
         self.stats["refresh_rows"] += len(refresh)
         with jax.profiler.TraceAnnotation("commit"):
             for req in refresh:
-                req.stale_tokens = None
-                self._insert(req)
+                try:
+                    req.stale_tokens = None
+                    self._insert(req)
+                except Exception as e:
+                    self._fail(req, e)
             for i, req in enumerate(reqs, start=len(refresh)):
-                if req.params.logprobs >= 0:
-                    self._record_logprobs(req, out, i)
                 pages = chain_pages.get(id(req), [])
-                chained = int(out.chain_blocks[i]) if pages else 0
-                self.stats["chained_blocks"] += chained
-                if pages[chained:]:  # reserved for blocks the call did not start
-                    self.allocator.free(pages[chained:])
-                if chained and not self._commit_chained(req, out.chain_tokens[i, :chained],
-                                                        out.chain_steps[i, :chained], pages[:chained]):
-                    continue
-                steps = int(out.steps[i])
-                req.forward_passes += steps
-                req.block_steps += steps
-                if out.done[i]:
-                    self._commit_block(req, out.tokens[i], fresh_kv=bool(out.fresh_kv[i]))
-                else:
-                    req.block_tokens, req.algo_state = out.tokens[i], out.states[i]
-                    if req.provisional:
-                        self._emit(req, PROVISIONAL)
+                try:
+                    self._commit_row(req, out, i, pages)
+                except Exception as e:
+                    self._fail(req, e, stray_pages=pages)
+        return True
+
+    # ------------------------------------------------------------------------------------------
+    # Step variants compiled off the scheduler's thread
+    # ------------------------------------------------------------------------------------------
+    def _runnable(self, reqs: list[Request], refresh: list[Request]) -> list[Request]:
+        """The requests this round's call can serve without compiling on the scheduler's thread: all of them,
+        unless their call needs a step variant warm-up did not compile (a first request with log probabilities,
+        penalties or sampling). Then that call compiles on the runner's background thread, and until it is
+        ready the largest group of rows whose own call is compiled runs (plain rows keep being served); the rest
+        wait, their block and state kept. An engine without warm-up compiles in line, as it always did."""
+        key = self._call_key(reqs, refresh)
+        if not reqs or not self.runner.compiles_in_background(key):
+            return reqs
+        self.runner.compile_soon(key)
+        best: list[Request] = []
+        for need in {self._need(r) for r in reqs}:
+            group = [r for r in reqs if all(a or not b for a, b in zip(need, self._need(r)))]  # needs within
+            if len(group) > len(best) and not self.runner.compiles_in_background(self._call_key(group, refresh)):
+                best = group
+        return best
+
+    @staticmethod
+    def _need(req: Request) -> tuple[bool, bool, bool, bool]:
+        """What a request's row asks of the step: sampling, penalties, log probabilities, top alternatives."""
+        p = req.params
+        return (p.temperature > 0 and p.top_k != 1, p.penalized, p.logprobs >= 0, p.logprobs > 0)
+
+    def _call_key(self, reqs: list[Request], refresh: list[Request], chain_pages: dict | None = None) -> tuple:
+        """The runner's key for a denoise call over these rows (see ``ModelRunner.denoise_key``)."""
+        needs = [self._need(r) for r in reqs]
+        pages = max([len(r.pages) - 1 for r in refresh]
+                    + [len(r.pages) + len((chain_pages or {}).get(id(r), ())) for r in reqs], default=1)
+        return self.runner.denoise_key(len(reqs) + len(refresh), pages, sampling=any(n[0] for n in needs),
+                                       penalties=any(n[1] for n in needs), logprobs=any(n[2] for n in needs),
+                                       top=any(n[3] for n in needs))
+
+    def _commit_row(self, req: Request, out: DecodeOutput, i: int, pages: list[int]) -> None:
+        """Take row ``i`` of a denoise call's result: its figures, its chained blocks (``pages`` were reserved
+        for them; those it did not start are freed), then its block: committed if done, else carried on."""
+        if req.params.logprobs >= 0:
+            self._record_logprobs(req, out, i)
+        chained = int(out.chain_blocks[i]) if pages else 0
+        self.stats["chained_blocks"] += chained
+        if pages[chained:]:  # reserved for blocks the call did not start
+            self.allocator.free(pages[chained:])
+        if chained and not self._commit_chained(req, out.chain_tokens[i, :chained],
+                                                out.chain_steps[i, :chained], pages[:chained]):
+            return
+        steps = int(out.steps[i])
+        req.forward_passes += steps
+        req.block_steps += steps
+        if out.done[i]:
+            self._commit_block(req, out.tokens[i], fresh_kv=bool(out.fresh_kv[i]))
+        else:
+            req.block_tokens, req.algo_state = out.tokens[i], out.states[i]
+            if req.provisional:
+                self._emit(req, PROVISIONAL)
 
     # ------------------------------------------------------------------------------------------
     # Block chaining (FDFO): a request that nothing else waits on writes several blocks per device call
@@ -458,7 +544,8 @@ class Scheduler:
             self._finish(req, finish, insert=True)
         else:
             self._emit(req)
-            self._classify(req)
+            if not req.finished:  # (its consumer may have failed it)
+                self._classify(req)
 
     @staticmethod
     def _append_logprobs(req: Request, n_imm: int, before: int) -> None:
@@ -535,8 +622,46 @@ class Scheduler:
         self._emit(req)
 
     def _emit(self, req: Request, event: dict | None = None) -> None:
-        if req.on_event is not None:
+        if req.on_event is None:
+            return
+        try:
             req.on_event(req, event or {})
+        except Exception as e:  # the consumer's failure is its request's, never the loop's
+            if req.finished:
+                log.exception("request %s: its on_event callback failed after it finished", req.rid)
+            else:
+                self._fail(req, e)
+
+    def _fail(self, req: Request, error: Exception, *, stray_pages: list[int] = ()) -> None:
+        """Fail one request on an error of its own (see the module's doc): it finishes with ``abort`` and the
+        error's message; its pages go back (its complete blocks are not cached: their KV may be what failed).
+        ``stray_pages``: pages reserved for it that no request or the index holds yet (freed unless already)."""
+        log.error("request %s failed: %s: %s", req.rid, type(error).__name__, error,
+                  exc_info=(type(error), error, error.__traceback__))
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req, {"type": "abort", "message": f"internal error: {type(error).__name__}: {error}"},
+                     insert=False)
+        held = self.radix.pages() if stray_pages and self.radix.enabled else set()
+        held |= {p for r in self.running for p in (*r.own_pages, r.block_page) if p is not None}
+        stray = [p for p in stray_pages if p not in held and self.allocator.refcount(p) > 0]
+        if stray:
+            self.allocator.free(stray)
+
+    def _fail_call(self, reqs: list[Request], error: Exception) -> None:
+        """A device call raised: its requests fail (never the others). Multi-process: the group's failure, raised
+        on. If the KV pool went with the call, every running request lost its KV and the index is emptied."""
+        if isinstance(error, RowError):  # raised while packing, before any process ran the call
+            self._fail(reqs[error.index], error.error)
+            return
+        if self.runner.channel is not None:
+            raise error
+        for req in reqs:
+            self._fail(req, error)
+        if self.runner.pool_lost():
+            for req in list(self.running):
+                self._fail(req, RuntimeError(f"the KV pool was lost with a failed device call ({error})"))
+            self.radix.reset()
 
     # ------------------------------------------------------------------------------------------
     # Checks (tests call this after every run)
