@@ -20,7 +20,12 @@ MAX_MIN_NEW_STOP_IDS = 64  # EOS + stop token ids masked by min_new_tokens (a fi
 MAX_STOP_STRINGS = 16  # host-side stop strings per request (each commit searches the text for every one)
 MAX_STOP_TOKEN_IDS = 1024  # stop token ids per request
 INT32_MAX = 2 ** 31 - 1  # top_k, token ids and counts travel to the device as int32
-FLOAT32_MAX = 3.4028234663852886e38  # temperature travels as float32: larger values would become inf
+# Logits are divided by the temperature in float32 (XLA may multiply by its reciprocal, which must stay a normal
+# float32: past ~8.5e37 it flushes to zero and a masked -inf logit becomes NaN). Beyond 1e6 a draw is uniform to
+# within float32 rounding anyway, so larger values are refused rather than silently equal to it.
+MAX_TEMPERATURE = 1e6
+# A repetition penalty divides positive logits: below this, float32 logits overflow to inf (NaN probabilities).
+MIN_REPETITION_PENALTY = 1e-6
 # SGLang's rule: a temperature below this samples as greedy (dividing logits by it would overflow float32)
 SAMPLING_EPS = 1e-6
 # top_p travels as float32; a smaller p keeps only the most likely token exactly as any p <= 1 / vocab does, so
@@ -96,9 +101,8 @@ class SamplingParams:
             out["max_new_tokens"] = int(v)
         if "temperature" in values:
             v = values["temperature"]
-            if not _is_number(v) or not 0 <= v <= FLOAT32_MAX:
-                raise ValueError(f"{field('temperature')}: must be a finite number >= 0 (at most {FLOAT32_MAX:.4g}, "
-                                 f"float32's largest), got {v!r}")
+            if not _is_number(v) or not 0 <= v <= MAX_TEMPERATURE:
+                raise ValueError(f"{field('temperature')}: must be a number in [0, {MAX_TEMPERATURE:g}], got {v!r}")
             out["temperature"] = float(v) if v >= SAMPLING_EPS else 0.0
         if "top_p" in values:
             v = values["top_p"]
@@ -172,8 +176,9 @@ def _penalty_fields(values: dict, out: dict, field, vocab_size: int | None) -> N
             out[name] = float(v)
     if "repetition_penalty" in values:
         v = values["repetition_penalty"]
-        if not _is_number(v) or not 0 < v <= 2:
-            raise ValueError(f"{field('repetition_penalty')}: must be a number in (0, 2], got {v!r}")
+        if not _is_number(v) or not MIN_REPETITION_PENALTY <= v <= 2:
+            raise ValueError(f"{field('repetition_penalty')}: must be a number in (0, 2] (at least "
+                             f"{MIN_REPETITION_PENALTY:g}: smaller ones overflow float32 logits), got {v!r}")
         out["repetition_penalty"] = float(v)
     if "min_new_tokens" in values:
         v = values["min_new_tokens"]
