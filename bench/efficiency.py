@@ -291,12 +291,17 @@ class _DevicePlayback:
                 recorded, shape, out = self.calls[i] if i < len(self.calls) else (None, None, None)
                 if recorded != name or args[0].shape != shape or (verify and not all(
                         np.array_equal(a, b) for a, b in zip(_comparable(args, kwargs), self._inputs[i]))):
-                    raise RuntimeError(f"host replay: call {i} ({name}) is not the recorded run's")
+                    # (the engine fails the call's requests and serves on; the run is refused when it ends)
+                    mismatch.append(f"host replay: call {i} ({name}) is not the recorded run's")
+                    raise RuntimeError(mismatch[-1])
                 return kv if name == "prefill" else (kv, *out)
             return call
         self._next = 0
+        mismatch: list[str] = []
         with self._patched(make):
             yield
+        if mismatch:
+            raise RuntimeError(mismatch[0])
         if self._next != len(self.calls):
             raise RuntimeError(f"host replay: {self._next} calls, the recorded run made {len(self.calls)}")
 

@@ -643,6 +643,7 @@ SCENARIOS = {
     "moe": _lazy("moe"),
     "efficiency": _lazy("efficiency"),
     "chain": _lazy("chain"),
+    "compile_stall": _lazy("compile_stall"),
     "prefill": _lazy("prefill"),
     "startup": _lazy("startup"),
     "invariance": _lazy("invariance"),

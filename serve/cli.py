@@ -18,11 +18,14 @@ parser), but it raises ImportError when they are missing, so ``dllm-jax`` simply
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import logging
 import os
 import shlex
+import signal
 import sys
+import threading
 
 for _module in ("fastapi", "uvicorn", "prometheus_client"):
     if importlib.util.find_spec(_module) is None:
@@ -41,8 +44,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on every endpoint but /health "
                         f"(default: ${ENV_API_KEY} if set)")
-    g.add_argument("--served-model-name", default=None, help="the model's name in OpenAI answers "
-                                                             "(default: the model directory's name)")
+    g.add_argument("--served-model-name", default=None, metavar="NAME[,ALIAS...]",
+                   help="the model's name in OpenAI answers, then aliases a request's 'model' may also use (another "
+                        "model is 404 model_not_found; default: the model directory's name)")
+    g.add_argument("--allowed-hosts", default=None, metavar="HOST[,HOST...]",
+                   help="host names a client may use beyond localhost and IP addresses ('name' any port, "
+                        "'name:port', '*' any); other Host headers get 421 (DNS rebinding). Default: none, or any "
+                        "Host when bound to 0.0.0.0 / :: with an API key")
+    g.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a request body must arrive within this; else 408 and the connection is closed (default 30)")
     g.add_argument("--max-queued-requests", type=int, default=256,
                    help="requests that may wait beyond --max-running-requests; more get 503 + Retry-After")
     g.add_argument("--max-prompt-tokens", type=int, default=None,
@@ -52,6 +62,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="/generate streams only the new text and ids of each block (default: cumulative, as SGLang)")
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     g.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM / SIGINT, new requests get 503 at once and running ones may finish for this long; "
+                        "then every open stream ends with an error event and every waiting request with a 503 "
+                        "(default 30; 0: at once; a second signal: at once)")
+    g.add_argument("--warmup-variants", default=None, metavar="LIST",
+                   help="also compile these step variants while starting, so that no first such request waits on "
+                        "a compile: a comma list of sampling, logprobs, penalties, or all (default: none)")
 
 
 def register(subparsers) -> None:
@@ -72,7 +89,8 @@ def settings_from_args(args: argparse.Namespace):
         served_model_name=args.served_model_name, api_key=args.api_key or os.environ.get(ENV_API_KEY) or None,
         max_queued_requests=args.max_queued_requests, max_prompt_tokens=args.max_prompt_tokens,
         max_request_bytes=args.max_request_bytes, incremental_streaming_output=args.incremental_streaming_output,
-        profile_dir=getattr(args, "profile_dir", None))
+        profile_dir=getattr(args, "profile_dir", None), host=args.host, allowed_hosts=args.allowed_hosts,
+        body_timeout_s=args.body_timeout)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,8 +104,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+WARMUP_VARIANTS = ("sampling", "logprobs", "penalties")
+
+
+def warmup_variants(value: str | None) -> dict:
+    """``--warmup-variants``: the keyword arguments of ``Engine.warmup``."""
+    names = [v.strip() for v in (value or "").split(",") if v.strip()]
+    if names == ["all"]:
+        names = list(WARMUP_VARIANTS)
+    for name in names:
+        if name not in WARMUP_VARIANTS:
+            raise ValueError(f"warmup_variants: unknown variant {name!r} (sampling, logprobs, penalties, or all)")
+    return {name: True for name in names}
+
+
 def main(args: argparse.Namespace) -> int:
-    """Build the engine (errors in the flags or the model fail here, before binding), then serve until stopped."""
+    """Build the engine (errors in the flags or the model fail here, before binding), bind, warm the engine up
+    while ``/health`` answers 503 ``starting``, then serve until SIGTERM / SIGINT (a graceful shutdown, exit 0).
+
+    Several processes: the leader compiles before it binds, in step with the followers (they replay its warm-up
+    calls, and must not wait on a leader that serves nothing yet)."""
     import uvicorn
 
     from dllm_jax import distributed
@@ -97,24 +133,56 @@ def main(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     log = logging.getLogger("dllm_jax.serve")
     settings = settings_from_args(args)
+    variants = warmup_variants(args.warmup_variants)
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"shutdown_timeout: must be >= 0, got {args.shutdown_timeout:g}")
+    # a server compiles its buckets before it admits requests, so no request waits on a compile
+    warm = args.warmup is not False or bool(variants)
     multi_process = init_distributed(args)  # before anything else touches JAX
-    if args.warmup is None:
-        args.warmup = True  # a server compiles its buckets before it answers, so no request waits on a compile
-    engine = build_engine(args)
+    args.warmup = False
+    try:
+        with _stop_quietly_while_loading():
+            engine = build_engine(args)
+            if engine.is_leader and multi_process and warm:
+                engine.warmup(**variants)
+    except KeyboardInterrupt:
+        log.info("interrupted while loading")
+        return 0
+    if _stopped_by is not None:  # a signal whose KeyboardInterrupt was swallowed (e.g. by a gc callback)
+        log.info("interrupted while loading")
+        return 0
     if not engine.is_leader:
         return distributed.run_follower(engine)  # no HTTP: replay the leader's device calls
     if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
         log.warning("binding %s without an API key: anyone who can reach this address can use the server", args.host)
-    app = create_app(engine, settings)
+    if multi_process:
+        app = create_app(engine, settings)
+    else:
+        def warm_up():
+            if warm:
+                engine.warmup(**variants)
+            return engine
+
+        app = create_app(settings=settings, engine_factory=warm_up)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=_uvicorn_level(args.log_level),
-                            access_log=not args.no_access_log, timeout_graceful_shutdown=5)
-    _serve(config, engine)
+                            access_log=not args.no_access_log, timeout_graceful_shutdown=FINAL_WRITE_S)
+    _serve(config, app, engine, args.shutdown_timeout)
     if engine.failure is not None:
         log.error("stopped serving: the process group failed (restart every process)")
         distributed.hard_exit(1)  # JAX's exit handler would wait for the lost process at its shutdown barrier
+    if app.state.startup_error is not None:
+        return 1
+    if app.state.abandoned_start:  # the warm-up thread still compiles: exit without waiting for it
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     if multi_process:
         log.info("shut down; the followers stop with it")
     return 0
+
+
+FINAL_WRITE_S = 5  # after the drain: how long uvicorn waits for responses still being written
 
 
 def _uvicorn_level(level: str) -> str:
@@ -122,40 +190,99 @@ def _uvicorn_level(level: str) -> str:
     return level if level == "debug" else ("warning" if level == "info" else level)
 
 
-def _serve(config, engine) -> None:
-    """uvicorn's server, plus one "ready" line once the socket is bound and the app has started."""
+def _serve(config, app, engine, shutdown_timeout: float) -> None:
+    """uvicorn's server, plus one "ready" line once the engine is warm, and our own signal handling: the first
+    SIGTERM / SIGINT drains (:func:`serve.app.drain`) before uvicorn closes the connections, a second one ends the
+    running requests at once, a third one leaves without waiting for responses. A signal is not re-raised after
+    the shutdown (uvicorn's default), so the process exits 0."""
+    import asyncio
+
     import uvicorn
 
-    class ReadyServer(uvicorn.Server):
+    from serve.app import drain
+
+    log = logging.getLogger("dllm_jax.serve")
+
+    class Server(uvicorn.Server):
+        stop_signal: str | None = None
+        hurry = False
+        announced = False
+        drainer = None
+
+        def handle_exit(self, sig, frame) -> None:  # a signal handler: flags only, read by on_tick
+            if self.stop_signal is None:
+                self.stop_signal = signal.Signals(sig).name
+            elif not self.should_exit:
+                self.hurry = True
+            else:
+                self.force_exit = True
+
         async def on_tick(self, counter: int) -> bool:
             if engine.failure is not None:  # a multi-process group failed: stop serving (main exits 1)
                 return True
+            if app.state.startup_error is not None:  # the warm-up failed (logged)
+                return True
+            server = app.state.server
+            if not self.announced and server is not None and server.ready:
+                self.announced = True
+                self.announce()
+            if self.stop_signal is not None and self.drainer is None:
+                log.info("%s: shutting down (new requests get 503)", self.stop_signal)
+                self.drainer = asyncio.ensure_future(drain(app, shutdown_timeout, lambda: self.hurry))
+                self.drainer.add_done_callback(self.drained)
             return await super().on_tick(counter)
 
-        async def startup(self, sockets=None):
-            await super().startup(sockets=sockets)
-            if self.started:
-                host = f"[{config.host}]" if ":" in config.host else config.host
-                info = engine.get_model_info()
-                pages = info["num_kv_pages"] - 1  # page 0 is the trash page of padding rows
-                logging.getLogger("dllm_jax.serve").info(
-                    "ready on http://%s:%d (%s, block %d, %s; %d KV pages = %d tokens)", host, config.port,
-                    os.path.basename(info["model_path"]), info["block_size"], info["algorithm"], pages,
-                    pages * info["block_size"])
+        def drained(self, task) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                log.error("shutdown: draining failed", exc_info=task.exception())
+            self.should_exit = True
 
+        def announce(self) -> None:
+            host = f"[{config.host}]" if ":" in config.host else config.host
+            info = engine.get_model_info()
+            pages = info["num_kv_pages"] - 1  # page 0 is the trash page of padding rows
+            log.info("ready on http://%s:%d (%s, block %d, %s; %d KV pages = %d tokens)", host, config.port,
+                     os.path.basename(info["model_path"]), info["block_size"], info["algorithm"], pages,
+                     pages * info["block_size"])
+
+    Server(config).run()
+
+
+_stopped_by: int | None = None  # the SIGTERM / SIGINT that arrived before the server ran
+
+
+@contextlib.contextmanager
+def _stop_quietly_while_loading():
+    """SIGTERM and SIGINT before the server runs (JAX importing, the model loading): a KeyboardInterrupt, which
+    ends the process quietly with status 0 (:func:`run`, :func:`main`), as a signal while serving does. The
+    signal is also recorded, since Python drops an exception raised inside a gc callback or ``__del__``."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(sig, frame):
+        global _stopped_by
+        _stopped_by = sig
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        ReadyServer(config).run()
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, after a clean shutdown
-        pass
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def run(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """``python -m serve``."""
     try:
-        return main(args) or 0
+        with _stop_quietly_while_loading():  # main() serves with its own signal handling meanwhile
+            return main(build_parser().parse_args(argv)) or 0
     except ValueError as err:
         print(f"dllm-jax serve: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # stopped while loading (or after serving, while the engine shut down)
+        return 0
 
 
 def engine_and_settings_from_env():

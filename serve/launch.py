@@ -50,6 +50,22 @@ class ServerProcess:
             self.proc = subprocess.Popen(self.args, env=self.env, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT)
         return self
 
+    def wait_port(self) -> float:
+        """Seconds from the process start until its port accepts connections (``/health`` may still answer 503
+        ``starting`` then: the engine warms up after binding); RuntimeError as :meth:`wait_healthy`."""
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return time.perf_counter() - self.started_at
+            except OSError:
+                pass
+            if time.perf_counter() - self.started_at > self.startup_timeout:
+                self.stop()
+                raise RuntimeError(f"server did not bind within {self.startup_timeout:.0f} s:\n{self.output()}")
+            time.sleep(0.01)
+
     def wait_healthy(self) -> float:
         """Seconds from the process start to its first ``200`` from ``/health``; RuntimeError with the server's
         output if it exits or does not answer within ``startup_timeout``."""
@@ -68,12 +84,13 @@ class ServerProcess:
                                    f"{self.output()}")
             time.sleep(0.05)
 
-    def stop(self, timeout: float = 20.0) -> int:
-        """SIGINT (a clean shutdown), then SIGKILL after ``timeout``. Returns the exit status."""
+    def stop(self, timeout: float = 20.0, sig: int = signal.SIGINT) -> int:
+        """``sig`` (SIGINT: a clean shutdown, as a user's Ctrl-C; SIGTERM: a supervisor's), then SIGKILL after
+        ``timeout``. Returns the exit status."""
         if self.proc is None:
             return 0
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            self.proc.send_signal(sig)
         try:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

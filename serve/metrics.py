@@ -2,9 +2,21 @@
 
 Engine-side numbers (requests, tokens, forwards, KV pages, running / queued) are read from
 ``engine.get_load()`` at scrape time by a custom collector, so they are exactly the engine's counters and cost
-nothing per step. Server-side numbers (HTTP responses by status, rejections, finish reasons, latencies, tokens per
-forward of the requests served) are kept here; they are updated from the engine's thread when a request finishes
-(prometheus-client metrics are thread-safe).
+nothing per step. Server-side numbers (HTTP responses by status, rejections, finish reasons, latencies, the tokens
+and forwards of the requests served) are kept here; they are updated from the engine's thread when a request
+finishes (prometheus-client metrics are thread-safe).
+
+Names follow Prometheus' conventions (``promtool check metrics``; tests/test_serve_lifecycle.py checks them):
+counters end in ``_total``, gauges and histograms do not, units are base units (``_seconds``), a pool's size is a
+``_capacity`` gauge.
+
+Tokens per forward has one definition, the one of ``meta_info`` and ``dllm-jax eval``: a request's completion
+tokens over the forward passes it took part in, summed over the finished requests, i.e. exactly
+``dllm_tokens_per_forward = dllm_request_completion_tokens_total / dllm_request_forward_passes_total`` (how many
+tokens a denoising forward commits per request: the parallel-decoding figure, whatever the batch size).
+``dllm_forward_passes_total`` counts the engine's forward passes, where one batched forward serves every request
+in it; ``dllm_generation_tokens_total`` over it is therefore tokens per batched forward, which grows with the batch
+and is not called tokens per forward here.
 """
 
 from __future__ import annotations
@@ -49,7 +61,7 @@ class EngineCollector:
     GAUGES = (
         ("running_requests", "num_running_requests", "Requests holding a row"),
         ("queued_requests", "num_queued_requests", "Requests waiting in the engine"),
-        ("kv_pages_total", "kv_pages_total", "KV pages in the pool"),
+        ("kv_pages_total", "kv_pages_capacity", "KV pages in the pool"),
         ("kv_pages_used", "kv_pages_used", "KV pages in use (by requests or the prefix cache)"),
         ("kv_pages_free", "kv_pages_free", "Free KV pages"),
         ("kv_pages_cached", "kv_pages_cached", "KV pages held by the prefix cache"),
@@ -66,7 +78,8 @@ class EngineCollector:
             c.add_metric([], float(load.get(key, 0)))
             yield c
         forwards = load.get("prefill_forwards", 0) + load.get("denoise_forwards", 0)
-        c = CounterMetricFamily(f"{PREFIX}_forward_passes", "Forward passes (prefill + denoise)")
+        c = CounterMetricFamily(f"{PREFIX}_forward_passes", "Forward passes of the engine (prefill + denoise; one "
+                                                           "batched forward serves every request in it)")
         c.add_metric([], float(forwards))
         yield c
         for key, name, doc in self.GAUGES:
@@ -100,11 +113,12 @@ class ServerMetrics:
         self.completion_tokens = Counter(f"{PREFIX}_request_completion_tokens",
                                          "Completion tokens of finished requests", registry=r)
         self.request_forwards = Counter(f"{PREFIX}_request_forward_passes",
-                                        "Forward passes that served finished requests (per request, summed)",
-                                        registry=r)
-        self.tokens_per_forward = Gauge(f"{PREFIX}_tokens_per_forward",
-                                        "Completion tokens per forward pass of the finished requests, since start",
-                                        registry=r)
+                                        "Forward passes that served finished requests (per request, summed: a "
+                                        "batched forward counts once per request in it)", registry=r)
+        tokens_per_forward = Gauge(f"{PREFIX}_tokens_per_forward",
+                                   "Tokens per forward of the finished requests: request_completion_tokens_total / "
+                                   "request_forward_passes_total (as meta_info and dllm-jax eval)", registry=r)
+        tokens_per_forward.set_function(self._tokens_per_forward)
         self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "End-to-end latency of finished requests",
                              buckets=LATENCY_BUCKETS, registry=r)
         self.ttfb = Histogram(f"{PREFIX}_time_to_first_block_seconds", "Time to the first committed block",
@@ -113,20 +127,23 @@ class ServerMetrics:
                          "Requests the server has submitted and not yet seen finish", registry=r)
         inflight.set_function(lambda: float(get_inflight()))
         self._lock = threading.Lock()
-        self._tokens = 0
+        self._tokens = 0  # the two counters' values, for their ratio
         self._forwards = 0
+
+    def _tokens_per_forward(self) -> float:
+        with self._lock:
+            return self._tokens / self._forwards if self._forwards else 0.0
 
     def observe_finish(self, meta: dict) -> None:
         """Called once per finished request (on the engine's thread)."""
         reason = (meta.get("finish_reason") or {}).get("type", "unknown")
         self.finished.labels(reason).inc()
         tokens, forwards = int(meta.get("completion_tokens", 0)), int(meta.get("forward_passes", 0))
-        self.completion_tokens.inc(tokens)
-        self.request_forwards.inc(forwards)
         with self._lock:
             self._tokens += tokens
             self._forwards += forwards
-            self.tokens_per_forward.set(self._tokens / self._forwards if self._forwards else 0.0)
+        self.completion_tokens.inc(tokens)
+        self.request_forwards.inc(forwards)
         if meta.get("e2e_latency") is not None:
             self.e2e.observe(meta["e2e_latency"])
         if meta.get("time_to_first_block") is not None:

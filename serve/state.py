@@ -13,6 +13,7 @@ gets the latest state of each block, never a backlog, and committed chunks alway
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -20,6 +21,7 @@ import uuid
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
+from starlette.concurrency import run_in_threadpool
 
 from serve.errors import ApiError, bad_request
 from serve.metrics import ServerMetrics, snapshot
@@ -27,17 +29,39 @@ from serve.settings import ServerSettings
 
 logger = logging.getLogger("dllm_jax.serve")
 
+SHUTDOWN_MESSAGE = "server shutting down"  # the abort message of the requests a shutdown ends
+
 
 class Server:
+    """``status``: ``starting`` (the engine warms up), ``ok`` (admitting), ``shutting_down`` (draining: running
+    requests may finish, new ones get 503)."""
+
     def __init__(self, engine, settings: ServerSettings):
         self.engine = engine
         self.settings = settings
-        self.model_name = settings.served_model_name or os.path.basename(os.path.normpath(engine.model_path))
+        # the names a request's "model" may use, the primary (reported in answers) first
+        self.model_names = settings.served_model_names or [os.path.basename(os.path.normpath(engine.model_path))]
+        self.model_name = self.model_names[0]
         self.inflight = 0  # engine requests submitted and not yet released (event-loop thread only)
         self.live: dict[str, Any] = {}  # rid -> Request, for duplicate ids and /abort_request
-        self.ready = False
+        self.batches: set[Batch] = set()  # open batches, which a shutdown ends
+        self.status = "starting"
         self.created = int(time.time())
         self.metrics = ServerMetrics(self.load_snapshot, lambda: self.inflight)
+
+    @property
+    def ready(self) -> bool:
+        return self.status == "ok"
+
+    def unavailable(self) -> ApiError:
+        """The 503 of a request that arrives while the server is not admitting."""
+        what = "shutting down" if self.status == "shutting_down" else "starting (the engine is warming up)"
+        return ApiError(503, f"the server is {what}; retry later",
+                        headers={"Retry-After": str(self.settings.retry_after_s)})
+
+    def end_open(self, message: str) -> int:
+        """End every unfinished request of every open batch now (see :meth:`Batch.end`). Returns how many."""
+        return sum(batch.end(message) for batch in list(self.batches))
 
     @property
     def capacity(self) -> int:
@@ -54,17 +78,56 @@ class Server:
         return fits if limit is None else min(limit, fits)
 
     # -- inputs ---------------------------------------------------------------------------------
-    def tokenize(self, text: str, field: str) -> list[int]:
+    def check_batch_size(self, n: int, field: str) -> None:
+        """Before anything is tokenized: a batch (prompts x n) that could never be admitted is a 400 at once."""
+        if n > self.capacity:
+            raise ApiError(400, f"{field}: a batch of {n} requests exceeds the server's capacity of {self.capacity} "
+                                f"requests", field)
+
+    def check_text(self, text: str, field: str) -> None:
+        """Before anything is tokenized: an empty prompt, or one far too long whatever the tokenizer makes of it."""
         if not text:
             raise ApiError(400, f"{field}: the prompt is empty", field)
+        self.check_chars(len(text), field)
+
+    def check_chars(self, chars: int, field: str) -> None:
         limit = self.max_prompt_tokens
-        if len(text) > 32 * limit + 1024:  # far too long whatever the tokenizer does; do not even tokenize
-            raise ApiError(400, f"{field}: the prompt has {len(text)} characters; the limit is {limit} tokens",
-                           field)
+        if chars > 32 * limit + 1024:  # no tokenizer makes that few tokens of it: not worth tokenizing
+            raise ApiError(400, f"{field}: the prompt has {chars} characters; the limit is {limit} tokens", field)
+
+    async def tokenize_all(self, texts: list[str], fields: list[str]) -> list[list[int]]:
+        """Every prompt's ids: the lengths are checked first, then the texts are tokenized in a worker thread (a
+        batch of thousands of prompts takes seconds, which must not freeze the event loop: other requests,
+        ``/health`` included, are answered meanwhile), stopping at the first prompt over the token limit."""
+        for text, field in zip(texts, fields):
+            self.check_text(text, field)
+        return await run_in_threadpool(self._tokenize_all, list(texts), list(fields))
+
+    def _tokenize_all(self, texts: list[str], fields: list[str]) -> list[list[int]]:
+        out = []
+        for text, field in zip(texts, fields):
+            if "\x00" in text and not self.tokenizer_keeps_nul:
+                raise ApiError(400, f"{field}: contains a NUL character, which this model's tokenizer does not "
+                                    f"keep", field)
+            try:
+                ids = self.engine.tokenize(text, field)
+            except ValueError as e:
+                raise bad_request(str(e)) from None
+            self.check_ids(ids, field)
+            out.append(ids)
+        return out
+
+    @functools.cached_property
+    def tokenizer_keeps_nul(self) -> bool:
+        """Whether a NUL in a prompt survives the tokenizer (byte-level BPE keeps it; others may drop or replace
+        it, which would answer a different prompt than the one sent)."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            return True  # no text prompts at all
         try:
-            return self.engine.tokenize(text, field)
-        except ValueError as e:
-            raise bad_request(str(e)) from None
+            return "\x00" in tok.decode(tok.encode("a\x00b", add_special_tokens=False))
+        except Exception:
+            return False
 
     def check_ids(self, ids: list[int], field: str) -> None:
         if not ids:
@@ -80,13 +143,9 @@ class Server:
         """Validate every engine request, check capacity, then submit them all (or none). ``fields`` name each
         request's prompt in errors; ``batch_field`` names what made the batch too large (default: the prompt)."""
         if not self.ready:
-            raise ApiError(503, "the server is not ready (starting or shutting down)",
-                           headers={"Retry-After": str(self.settings.retry_after_s)})
+            raise self.unavailable()
         n = len(ids_list)
-        if n > self.capacity:
-            field = batch_field or fields[0].split('[')[0]
-            raise ApiError(400, f"{field}: a batch of {n} requests exceeds the server's capacity of {self.capacity} "
-                                f"requests", field)
+        self.check_batch_size(n, batch_field or fields[0].split('[')[0])
         for ids, field in zip(ids_list, fields):
             self.check_ids(ids, field)
         rids = rids or [None] * n
@@ -113,6 +172,7 @@ class Server:
         batch.reserved = n
         for req in reqs:
             self.live[req.rid] = req
+        self.batches.add(batch)
         try:
             for req in reqs:
                 self.engine.submit(req)
@@ -124,9 +184,15 @@ class Server:
 
 def get_server(request: Request) -> Server:
     """The app's :class:`Server` (a FastAPI dependency of every route that needs the engine)."""
-    server = getattr(request.app.state, "server", None)
-    if server is None:
-        raise ApiError(503, "the server is starting")
+    state = request.app.state
+    server = getattr(state, "server", None)
+    if server is None:  # the engine is still being built (``create_app(engine_factory=...)``), or failed
+        if getattr(state, "startup_error", None) is not None:
+            raise ApiError(503, f"the engine failed to start: {state.startup_error}")
+        what = ("shutting down" if getattr(state, "draining", False)
+                else "starting (the engine is loading or warming up)")
+        raise ApiError(503, f"the server is {what}; retry later",
+                       headers={"Retry-After": str(state.settings.retry_after_s)})
     return server
 
 
@@ -146,7 +212,9 @@ class Batch:
         self.reqs: list = []
         self.reserved = 0
         self.closed = False
+        self.ended: str | None = None  # why the server ended the unfinished requests (see end())
         self._slots: dict[int, list] = {}  # index -> [the provisional chunk waiting to be sent]
+        self._done: set[int] = set()  # indices whose final event was delivered
 
     def _post(self, item) -> None:
         try:
@@ -155,8 +223,13 @@ class Batch:
             pass
 
     def _deliver(self, item) -> None:
-        """On the event loop: queue a chunk, or coalesce a provisional one."""
+        """On the event loop: queue a chunk, or coalesce a provisional one. Nothing comes after a request's final
+        event (the engine's own end of a request that :meth:`end` ended already is dropped)."""
         index, chunk = item
+        if index in self._done:
+            return
+        if chunk is None or chunk["finished"]:
+            self._done.add(index)
         if chunk is not None and chunk.get("provisional"):
             slot = self._slots.get(index)
             if slot is not None:  # an older provisional chunk still waits: replace it
@@ -189,6 +262,26 @@ class Batch:
                 self._post((index, None))
 
         return on_event
+
+    def end(self, message: str) -> int:
+        """End the unfinished requests now (a shutdown): each is aborted in the engine and gets its final event at
+        once, without waiting for the engine's thread, which may be inside a long device call or a compile. A
+        stream's final chunk carries ``finish_reason {"type": "abort", "message": message}`` (its handler writes
+        its error frame and ``[DONE]``); a waiting non-streamed request is answered 503. Returns how many it ended
+        (a request the engine has just finished keeps its own final event, already on its way)."""
+        count = 0
+        for index, req in enumerate(self.reqs):
+            if index in self._done or req.finished:
+                continue
+            self.ended = message
+            self.server.engine.abort(req)
+            chunk = None
+            if self.stream:
+                meta = {**self.server.engine.meta_info(req), "finish_reason": {"type": "abort", "message": message}}
+                chunk = {"text": "", "output_ids": [], "finished": True, "ended": True, "meta_info": meta}
+            self._deliver((index, chunk))
+            count += 1
+        return count
 
     async def wait(self, request: Request) -> None:
         """Wait until every request finished; abort them if the client disconnects meanwhile."""
@@ -246,6 +339,7 @@ class Batch:
             logger.info("client disconnected: aborted %d request(s)", len(unfinished))
         for req in self.reqs:
             self.server.live.pop(req.rid, None)
+        self.server.batches.discard(self)
         self.server.inflight -= self.reserved
         self.reserved = 0
 
@@ -266,7 +360,7 @@ class Batch:
                 yield index, chunk, ""
                 continue
             delta = chunk["text"]
-            if chunk["finished"]:
+            if chunk["finished"] and not chunk.get("ended"):
                 full = self.server.engine.result(self.reqs[index])["text"]
                 delta = full[len(sent[index]):] if full.startswith(sent[index]) else ""
             sent[index] += delta
@@ -293,6 +387,9 @@ async def finished_results(batch: Batch, request: Request) -> list[dict] | None:
         return None
     finally:
         batch.close()
+    if batch.ended is not None:
+        raise ApiError(503, f"request aborted: {batch.ended}",
+                       headers={"Retry-After": str(batch.server.settings.retry_after_s)})
     results = batch.results()
     err = abort_error(results)
     if err is not None:

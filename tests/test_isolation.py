@@ -172,19 +172,20 @@ def test_generated_extreme_values_hurt_nobody(tiny_model, make_engine, long_refe
 def test_plain_requests_are_served_while_a_variant_compiles(tiny_model, make_engine, long_reference, schedule):
     from dllm_jax.engine.runner import ModelRunner
 
-    engine = make_engine(tiny_model, schedule=schedule, **ENGINE_KW)
     logprob_params = {**LONG, "return_logprob": True}
-    reference = engine.generate(input_ids=[4, 5, 6], sampling_params=logprob_params)  # compiles it in line
     engine = make_engine(tiny_model, schedule=schedule, **ENGINE_KW)
     engine.warmup()  # the plain step only
     runner = engine.runner
     release, started = threading.Event(), threading.Event()
     compile_key = runner._compile_key
 
+    compiled_after_background = []
+
     def held_compile(key):  # the variant's compile waits until the plain requests are done
         started.set()
         assert release.wait(120)
         compile_key(key)
+        compiled_after_background.append(ModelRunner.compiled_executables())
 
     runner._compile_key = held_compile
     engine.start()
@@ -194,11 +195,12 @@ def test_plain_requests_are_served_while_a_variant_compiles(tiny_model, make_eng
     _wait(long)  # served while the variant is still compiling
     assert not variant[0].finished and variant[0].output_ids == []
     assert [r.output_ids for r, _ in long] == long_reference
-    before = ModelRunner.compiled_executables()
     release.set()
     _wait([variant])
-    assert ModelRunner.compiled_executables() == before + 1  # compiled once, in the background; the call did not
+    assert ModelRunner.compiled_executables() == compiled_after_background[0]  # the call found the executable
     result = engine.result(variant[0])
+    reference = make_engine(tiny_model, schedule=schedule, **ENGINE_KW).generate(
+        input_ids=[4, 5, 6], sampling_params=logprob_params)
     assert result["output_ids"] == reference["output_ids"]
     assert result["meta_info"]["output_token_logprobs"] == reference["meta_info"]["output_token_logprobs"]
     engine.shutdown()
@@ -211,3 +213,34 @@ def test_an_engine_without_warmup_compiles_in_line(tiny_model, make_engine):
     engine = make_engine(tiny_model, **ENGINE_KW)
     engine.generate(input_ids=[4, 5, 6], sampling_params={**LONG, "return_logprob": True})
     assert engine.runner._compile_pool is None
+
+
+def test_a_call_that_loses_the_kv_pool_fails_the_running_requests_only(tiny_model, make_engine, monkeypatch,
+                                                                       long_reference):
+    """A device call that fails after it took the (donated) KV pool: every running request lost its KV and
+    fails, the prefix index is emptied, a fresh pool replaces the lost one and the engine serves on."""
+    import jax
+
+    from dllm_jax.engine import runner
+
+    engine = make_engine(tiny_model, **ENGINE_KW)
+    real, calls = runner.denoise_packed, []
+
+    def failing_call(params, kv_pages, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            for x in jax.tree.leaves(kv_pages):
+                x.delete()
+            raise RuntimeError("device lost mid-call")
+        return real(params, kv_pages, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "denoise_packed", failing_call)
+    engine.start()
+    failed = [_submit(engine, p, LONG) for p in LONG_PROMPTS]
+    _wait(failed)
+    assert all(r.finish_reason["type"] == "abort" for r, _ in failed)
+    with engine._lock:
+        assert engine.radix.total == 0 and engine.allocator.num_free == engine.allocator.capacity
+    assert engine.generate(input_ids=LONG_PROMPTS[1], sampling_params=LONG)["output_ids"] == long_reference[1]
+    engine.shutdown()
+    assert_pages_back(engine)

@@ -69,14 +69,16 @@ def server(model_dir, tmp_path_factory):
     from serve.launch import ServerProcess
 
     log_path = tmp_path_factory.mktemp("serve_log") / "server.log"
+    cache = tmp_path_factory.mktemp("serve_cache")  # the default profile root is under it
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_DEFAULT_MATMUL_PRECISION="highest", XLA_FLAGS=TEST_XLA_FLAGS,
-               TOKENIZERS_PARALLELISM="false", PYTHONPATH=REPO)
+               TOKENIZERS_PARALLELISM="false", PYTHONPATH=REPO, XDG_CACHE_HOME=str(cache))
     args = ["--model-path", model_dir, "--host", "127.0.0.1", "--max-running-requests", str(MAX_RUNNING),
             "--context-length", str(CONTEXT), "--max-prefill-tokens", str(PREFILL_TOKENS),
             "--shape-buckets", json.dumps(SHAPE_BUCKETS), "--no-warmup", "--max-queued-requests", str(MAX_QUEUED),
             "--api-key", API_KEY, "--log-level", "warning", "--no-access-log"]
     with ServerProcess(args, env=env, cwd=REPO, log_path=str(log_path)) as proc:
-        yield {"base": proc.base, "proc": proc.proc, "log": log_path}
+        yield {"base": proc.base, "proc": proc.proc, "log": log_path,
+               "profile_root": os.path.realpath(cache / "dllm-jax" / "profiles")}
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     print(f"\nserver process CPU: {ru.ru_utime + ru.ru_stime:.1f} s")
     text = proc.output()
@@ -251,7 +253,7 @@ def test_generate_endpoints_equal_python_api(client, engine, examples):
     assert [finals[i]["output_ids"] for i in (0, 1)] == [ref[2]["output_ids"], ref[3]["output_ids"]]
 
     # /v1/completions on the chat-formatted prompt, plain and streamed
-    body = {"model": "whatever", "prompt": texts[4], "max_tokens": MAX_NEW, "temperature": 0}
+    body = {"prompt": texts[4], "max_tokens": MAX_NEW, "temperature": 0}
     comp = client.post("/v1/completions", json=body).json()
     assert comp["object"] == "text_completion" and comp["choices"][0]["text"] == ref[4]["text"]
     usage = comp["usage"]
@@ -999,15 +1001,16 @@ def test_auth_size_and_unknown_routes(server, client):
 # ----------------------------------------------------------------------------------------------
 # Admin endpoints
 # ----------------------------------------------------------------------------------------------
-def test_flush_profile_and_abort_request(server, client, tmp_path):
+def test_flush_profile_and_abort_request(server, client):
     assert_serving(client)
     flush(client)
     assert client.get("/flush_cache").status_code == 200  # SGLang accepts GET too
 
-    out = tmp_path / "trace"
-    r = client.post("/start_profile", json={"output_dir": str(out)})
-    assert r.status_code == 200 and r.json()["output_dir"] == str(out)
-    assert client.post("/start_profile", json={"output_dir": str(out)}).status_code == 400  # already recording
+    # under the default profile root (tests/test_serve_hardening.py: anywhere else is refused)
+    out = os.path.join(server["profile_root"], "trace")
+    r = client.post("/start_profile", json={"output_dir": "trace"})
+    assert r.status_code == 200 and r.json()["output_dir"] == out
+    assert client.post("/start_profile", json={"output_dir": "trace"}).status_code == 400  # already recording
     assert_serving(client)
     r = client.post("/stop_profile")
     assert r.status_code == 200 and r.json()["output_dir"] == str(out)

@@ -553,7 +553,7 @@ class ModelRunner:
         """After a device call raised: whether the KV pool went with it (it is donated to every call, so a failure
         once the call started leaves no pool). Then a fresh, empty pool replaces it and every cached or running
         request's KV is gone (the scheduler fails the running requests and empties the prefix index)."""
-        if not self.kv_pages.is_deleted():
+        if not any(x.is_deleted() for x in jax.tree.leaves(self.kv_pages)):
             return False
         kv_pages = init_kv_pages(self.cfg, self._num_pages, self.block_size, self._kv_dtype)
         if self.mesh is not None:
@@ -576,10 +576,12 @@ class ModelRunner:
 
     def compiles_in_background(self, key: tuple) -> bool:
         """Whether a call of ``key`` must wait for a background compile: its step variant was not warmed up and its
-        executable is not compiled yet. (Single-process engines only: followers compile what the leader runs.)
+        executable is not compiled yet. (Only after a warm-up: an engine that compiles lazily compiles every call
+        in line, as its first calls must anyway. Single-process only: followers compile what the leader runs.)
         A key whose background compile failed reads False: the call then runs and fails with the error."""
-        return (self.channel is None and key[0] == "denoise" and key not in self._compiled
-                and key[3:] not in self.warmed_classes and key not in self._compile_failed)
+        return (self.channel is None and bool(self.warmed_classes) and key[0] == "denoise"
+                and key not in self._compiled and key[3:] not in self.warmed_classes
+                and key not in self._compile_failed)
 
     def compile_soon(self, key: tuple) -> None:
         """Compile ``key``'s executable on the background thread (once; a no-op if compiled or under way)."""

@@ -1,15 +1,21 @@
 """Health, information, metrics, and the admin endpoints: ``GET /health`` (no API key needed),
-``GET /get_model_info``, ``GET /v1/models``, ``GET /metrics`` (Prometheus), ``GET /internal/load``,
-``POST /flush_cache`` (GET too, as SGLang), ``POST /start_profile`` / ``POST /stop_profile``,
-``POST /abort_request``."""
+``GET /get_model_info``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /metrics`` (Prometheus),
+``GET /internal/load``, ``POST /flush_cache`` (GET too, as SGLang), ``POST /start_profile`` /
+``POST /stop_profile``, ``POST /abort_request``.
+
+``/start_profile`` writes only under the profile root chosen at start (``--profile-dir``, default a per-user cache
+directory): a relative ``output_dir`` is taken under it, and one that resolves outside it (``..``, another absolute
+path, a symbolic link out) is a 403, so that the endpoint cannot be used to write files anywhere else."""
 
 from __future__ import annotations
+
+import os
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from serve.errors import ApiError
+from serve.errors import ApiError, model_not_found
 from serve.schemas import AbortRequest, ProfileRequest
 from serve.state import Server, get_server
 
@@ -18,12 +24,20 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request):
-    server = getattr(request.app.state, "server", None)
-    if server is None or not server.ready:
-        return JSONResponse({"status": "unavailable"}, status_code=503)
-    if getattr(server.engine, "failure", None) is not None:  # a multi-process group lost a process
-        return JSONResponse({"status": "failed", "error": server.engine.failure}, status_code=503)
-    return {"status": "ok"}
+    """200 ``ok`` while admitting; else 503 with ``starting`` (the engine loads or warms up), ``shutting_down``
+    (draining) or ``failed`` (and the error)."""
+    state = request.app.state
+    server = getattr(state, "server", None)
+    error = getattr(state, "startup_error", None)
+    if error is None and server is not None:
+        error = getattr(server.engine, "failure", None)  # a multi-process group lost a process
+    if error is not None:
+        return JSONResponse({"status": "failed", "error": error}, status_code=503)
+    if server is not None and server.ready:
+        return {"status": "ok"}
+    status = server.status if server is not None else "shutting_down" if state.draining else "starting"
+    return JSONResponse({"status": status}, status_code=503,
+                        headers={"Retry-After": str(state.settings.retry_after_s)})
 
 
 @router.get("/get_model_info")
@@ -34,12 +48,24 @@ async def get_model_info(server: Server = Depends(get_server)):
     return info
 
 
+def _model_card(server: Server, name: str) -> dict:
+    eng = server.engine
+    return {"id": name, "object": "model", "created": server.created, "owned_by": "dllm-jax",
+            "root": eng.model_path, "max_model_len": eng.context_length}
+
+
 @router.get("/v1/models")
 async def list_models(server: Server = Depends(get_server)):
-    eng = server.engine
-    return {"object": "list", "data": [{
-        "id": server.model_name, "object": "model", "created": server.created, "owned_by": "dllm-jax",
-        "root": eng.model_path, "max_model_len": eng.context_length}]}
+    """Every served name (the primary first, then its aliases), as vLLM lists them."""
+    return {"object": "list", "data": [_model_card(server, name) for name in server.model_names]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, server: Server = Depends(get_server)):
+    """OpenAI's ``models.retrieve``: a served name (an id may hold ``/``), else 404 ``model_not_found``."""
+    if model_id not in server.model_names:
+        raise model_not_found(model_id, server.model_names, param="model")
+    return _model_card(server, model_id)
 
 
 @router.get("/metrics")
@@ -66,8 +92,10 @@ async def flush_cache(server: Server = Depends(get_server)):
 @router.post("/start_profile")
 async def start_profile(body: ProfileRequest | None = None, server: Server = Depends(get_server)):
     body = body or ProfileRequest()
-    directory = body.output_dir or server.settings.profile_dir
+    root = server.settings.profile_root
+    directory = profile_path(root, body.output_dir)
     try:
+        os.makedirs(root, mode=0o700, exist_ok=True)  # the traces may show prompts: the owner's only
         out = await run_in_threadpool(server.engine.start_profile, directory,
                                       0 if body.num_steps is None else body.num_steps)
     except RuntimeError as e:
@@ -75,6 +103,19 @@ async def start_profile(body: ProfileRequest | None = None, server: Server = Dep
     except OSError as e:
         raise ApiError(400, f"output_dir: {e}", "output_dir") from None
     return {"success": True, "output_dir": out}
+
+
+def profile_path(root: str, output_dir: str | None) -> str:
+    """``output_dir`` (default: the root itself) resolved under ``root`` (absolute, symbolic links resolved), or
+    a 403 when it resolves anywhere else."""
+    try:
+        target = os.path.realpath(os.path.join(root, output_dir or ""))
+    except ValueError as e:  # e.g. an embedded NUL (the body's text check refuses those first)
+        raise ApiError(400, f"output_dir: {e}", "output_dir") from None
+    if os.path.commonpath([root, target]) != root:
+        raise ApiError(403, f"output_dir: {output_dir!r} resolves to {target}, outside the profile directory {root} "
+                            f"(relative paths are taken under it; see --profile-dir)", "output_dir")
+    return target
 
 
 @router.post("/stop_profile")

@@ -3,46 +3,65 @@
 
 ``n`` answers per prompt share the prompt's prefill (:func:`serve.state.expand_choices`); each is its own
 choice, seeded ``seed + j`` when a seed is given. Streams and their extensions: :mod:`.openai_stream`.
+
+A request's ``model`` must be one of the served names (``--served-model-name NAME,ALIAS``) or null: another is
+404 ``model_not_found``, as OpenAI answers, rather than a silent answer by a model the client did not ask for.
+Every check that does not need the prompt's tokens (model, sizes, fields) comes before tokenizing, which runs in
+a worker thread (:meth:`serve.state.Server.tokenize_all`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
 
 from serve import features, logprobs
-from serve.errors import ApiError, bad_request
+from serve.errors import ApiError, bad_request, model_not_found
 from serve.routes.openai_stream import chat_stream, completion_stream, finish, matched, usage
-from serve.schemas import CHAT_FIELD_NAMES, OPENAI_FIELD_NAMES, ChatCompletionRequest, CompletionRequest
+from serve.schemas import CHAT_FIELD_NAMES, OPENAI_FIELD_NAMES, ChatCompletionRequest, CompletionRequest, OpenAICommon
 from serve.state import Server, expand_choices, finished_results, get_server
 from serve.streaming import SSEResponse
 
 router = APIRouter()
+logger = logging.getLogger("dllm_jax.serve")
+_ignored_logged: set[str] = set()
+
+
+def _check_common(body: OpenAICommon, server: Server) -> None:
+    """The model, and the accepted-but-ignored fields (logged once per field per process)."""
+    if body.model is not None and body.model not in server.model_names:
+        raise model_not_found(body.model, server.model_names)
+    for name in body.ignored_fields():
+        if name not in _ignored_logged:
+            _ignored_logged.add(name)
+            logger.info("OpenAI field %r accepted and ignored (it does not change an answer here; logged once)",
+                        name)
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, server: Server = Depends(get_server)):
+    _check_common(body, server)
     prompts, batch_mode = body.prompts()
+    n = body.num_choices
+    server.check_batch_size(len(prompts) * n, "n" if n > 1 else "prompt")
+    params = features.gate(body.sampling_dict(body.max_tokens), OPENAI_FIELD_NAMES, prefix="")
     fields = [f"prompt[{i}]" for i in range(len(prompts))] if batch_mode else ["prompt"]
-    ids_list, echoes = [], []
-    for p, field in zip(prompts, fields):
-        if isinstance(p, str):
-            ids_list.append(server.tokenize(p, field))
-            echoes.append(p)
-        else:
-            ids_list.append(p)
-            echoes.append(None)
+    texts = [(i, p) for i, p in enumerate(prompts) if isinstance(p, str)]
+    text_ids = await server.tokenize_all([p for _, p in texts], [fields[i] for i, _ in texts])
+    ids_list, echoes = list(prompts), [None] * len(prompts)
+    for (i, p), ids in zip(texts, text_ids):
+        ids_list[i], echoes[i] = ids, p
     if body.echo:  # a token-id prompt is echoed with its special tokens (the mask token included)
         tok = server.engine.tokenizer
         echoes = [e if e is not None else (tok.decode(ids, skip_special_tokens=False) if tok else "")
                   for e, ids in zip(echoes, ids_list)]
     else:
         echoes = [""] * len(ids_list)
-    n = body.num_choices
-    params = features.gate(body.sampling_dict(body.max_tokens), OPENAI_FIELD_NAMES, prefix="")
     ids_list, params_list, fields = expand_choices(ids_list, [params] * len(ids_list), fields, n)
     echoes = [e for e in echoes for _ in range(n)]
     batch = server.start_batch(ids_list, params_list, fields, stream=body.stream, renames=OPENAI_FIELD_NAMES,
@@ -64,22 +83,26 @@ async def completions(body: CompletionRequest, request: Request, server: Server 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, server: Server = Depends(get_server)):
+    _check_common(body, server)
     eng = server.engine
+    n = body.num_choices
+    server.check_batch_size(n, "n")
+    renames = dict(CHAT_FIELD_NAMES)
+    renames["sampling_params.max_new_tokens"] = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    renames["input_ids"] = "messages"
+    max_new = body.max_completion_tokens or body.max_tokens
+    params = features.gate(body.sampling_dict(max_new), renames, prefix="")
+    messages = body.chat_messages()
+    server.check_chars(sum(len(m["content"]) for m in messages), "messages")
     try:
-        text = eng.apply_chat_template(body.chat_messages())
+        text = await run_in_threadpool(eng.apply_chat_template, messages)
     except ValueError as e:
         raise bad_request(str(e)) from None
     except Exception as e:  # a template error (e.g. unsupported role order)
         raise ApiError(400, f"messages: the chat template failed: {e}", "messages") from None
-    ids = server.tokenize(text, "messages")
-    max_new = body.max_completion_tokens or body.max_tokens
-    if max_new is None:
-        max_new = max(1, eng.context_length - len(ids))
-    renames = dict(CHAT_FIELD_NAMES)
-    renames["sampling_params.max_new_tokens"] = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    renames["input_ids"] = "messages"
-    n = body.num_choices
-    params = features.gate(body.sampling_dict(max_new), renames, prefix="")
+    ids = (await server.tokenize_all([text], ["messages"]))[0]
+    if max_new is None:  # the rest of the context
+        params["max_new_tokens"] = max(1, eng.context_length - len(ids))
     ids_list, params_list, fields = expand_choices([ids], [params], ["messages"], n)
     batch = server.start_batch(ids_list, params_list, fields, stream=body.stream, renames=renames,
                                provisional=body.stream_provisional, batch_field="n" if n > 1 else None)

@@ -19,7 +19,7 @@ import time
 from serve import logprobs
 from serve.errors import error_body
 from serve.schemas import ChatCompletionRequest, CompletionRequest
-from serve.state import Batch, Server
+from serve.state import SHUTDOWN_MESSAGE, Batch, Server
 from serve.streaming import SSE_DONE, sse
 
 
@@ -53,7 +53,8 @@ def stream_error(meta: dict) -> dict | None:
     reason = meta.get("finish_reason") or {}
     if reason.get("type") != "abort":
         return None
-    return error_body(500, f"request aborted: {reason.get('message', 'aborted')}")
+    message = reason.get("message", "aborted")
+    return error_body(503 if message == SHUTDOWN_MESSAGE else 500, f"request aborted: {message}")
 
 
 def dllm_block(chunk: dict, tokenizer=None) -> dict:

@@ -31,14 +31,11 @@ LOGPROB_FIELDS = {"sampling_params.return_logprob": "return_logprob",
 async def generate(body: GenerateRequest, request: Request, server: Server = Depends(get_server)):
     n = body.n
     batch_mode = body.is_batch or n > 1
-    if body.text is not None:
-        texts = body.text if body.is_batch else [body.text]
-        fields = [f"text[{i}]" for i in range(len(texts))] if body.is_batch else ["text"]
-        ids_list = [server.tokenize(t, f) for t, f in zip(texts, fields)]
-    else:
-        ids_list = body.input_ids if body.is_batch else [body.input_ids]
-        fields = [f"input_ids[{i}]" for i in range(len(ids_list))] if body.is_batch else ["input_ids"]
-    prompts = len(ids_list)
+    prompts = len(body.text if body.text is not None else body.input_ids) if body.is_batch else 1
+    # everything that can be checked without the ids first: a batch that can never be admitted, or whose other
+    # fields are wrong, is refused before any of it is tokenized
+    server.check_batch_size(prompts * n, "sampling_params.n" if n > 1 else "text" if body.text is not None
+                            else "input_ids")
     params = body.sampling_params
     if isinstance(params, list):
         if len(params) != prompts:
@@ -51,13 +48,20 @@ async def generate(body: GenerateRequest, request: Request, server: Server = Dep
     wanted = {"return_logprob": body.return_logprob, "top_logprobs_num": body.top_logprobs_num}
     params_list = [features.gate({**p, **{k: v for k, v in wanted.items() if v is not None}},
                                  LOGPROB_FIELDS, prefix) for p, prefix in zip(params_list, prefixes)]
-    ids_list, params_list, fields = expand_choices(ids_list, params_list, fields, n)
     rids = body.rid
     if rids is not None:
         rids = rids if isinstance(rids, list) else [rids]
-        if len(rids) != len(ids_list):
+        if len(rids) != prompts * n:
             what = f"{prompts} prompts" + (f" x n = {n}" if n > 1 else "")
             raise ApiError(400, f"rid: {len(rids)} ids for {what}", "rid")
+    if body.text is not None:
+        texts = body.text if body.is_batch else [body.text]
+        fields = [f"text[{i}]" for i in range(len(texts))] if body.is_batch else ["text"]
+        ids_list = await server.tokenize_all(texts, fields)
+    else:
+        ids_list = body.input_ids if body.is_batch else [body.input_ids]
+        fields = [f"input_ids[{i}]" for i in range(len(ids_list))] if body.is_batch else ["input_ids"]
+    ids_list, params_list, fields = expand_choices(ids_list, params_list, fields, n)
     batch = server.start_batch(ids_list, params_list, fields, stream=body.stream, rids=rids,
                                provisional=body.stream_provisional,
                                batch_field="sampling_params.n" if n > 1 else None)

@@ -5,6 +5,12 @@ range here and turned into the engine's names by :meth:`OpenAICommon.sampling_di
 passes them on or answers 400 naming the body's field. Extensions (SGLang / vLLM names): ``top_k``,
 ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``repetition_penalty``, ``min_tokens``, and this
 server's ``stream_provisional``.
+
+Fields that clients send routinely and that cannot change an answer (``metadata``, ``user``, ``store``,
+``service_tier``, ``parallel_tool_calls``) are accepted and ignored (:data:`IGNORED_FIELDS`); those that would
+change its meaning and are not implemented (``tools``, ``tool_choice``, ``functions``, ``function_call``, a
+``response_format`` other than text, non-text content parts, ``echo`` with ``logprobs``) are a 400 naming the
+field, never silently dropped.
 """
 
 from __future__ import annotations
@@ -13,8 +19,11 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from serve.schemas.common import (MAX_N, MAX_NEW_TOKENS_LIMIT, MAX_TOP_LOGPROBS, PenaltyFields, StopFields, _Strict,
-                                  check_token_list, first_error, neutral_only)
+from serve.schemas.common import (MAX_N, MAX_NEW_TOKENS_LIMIT, MAX_TOP_LOGPROBS, Body, PenaltyFields, StopFields,
+                                  _Strict, check_token_list, first_error, neutral_only)
+
+# Accepted for compatibility, no effect here (the routes log each once per process)
+IGNORED_FIELDS = ("metadata", "user", "store", "service_tier", "parallel_tool_calls")
 
 
 class StreamOptions(_Strict):
@@ -22,7 +31,7 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool | None = None
 
 
-class OpenAICommon(StopFields, PenaltyFields):
+class OpenAICommon(StopFields, PenaltyFields, Body):
     """Fields both OpenAI endpoints share."""
 
     model: str | None = None
@@ -32,7 +41,11 @@ class OpenAICommon(StopFields, PenaltyFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: int | None = Field(None, ge=0, lt=2 ** 32)
+    # accepted and ignored (IGNORED_FIELDS)
     user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
     # SGLang / vLLM extensions
     top_k: int | None = Field(None, ge=-1)
     ignore_eos: bool | None = None
@@ -46,6 +59,10 @@ class OpenAICommon(StopFields, PenaltyFields):
         if self.stream_provisional and not self.stream:
             raise ValueError("stream_provisional: needs stream: true")
         return self
+
+    def ignored_fields(self) -> list[str]:
+        """The ignored fields this request set (to anything but null)."""
+        return [name for name in IGNORED_FIELDS if getattr(self, name, None) is not None]
 
     @property
     def include_usage(self) -> bool:
@@ -86,12 +103,17 @@ class OpenAICommon(StopFields, PenaltyFields):
 
 
 # Engine field names -> OpenAI body field names (for errors the engine raises on OpenAI requests).
+# Every other sampling parameter has the same name in the body (``sampling_params.logit_bias.5000`` is
+# ``logit_bias.5000``): the empty name drops the prefix (serve.errors.bad_request).
 OPENAI_FIELD_NAMES = {"sampling_params.max_new_tokens": "max_tokens", "sampling_params.min_new_tokens": "min_tokens",
-                      "sampling_params.return_logprob": "logprobs", "sampling_params.top_logprobs_num": "logprobs"}
+                      "sampling_params.return_logprob": "logprobs", "sampling_params.top_logprobs_num": "logprobs",
+                      "sampling_params": ""}
 CHAT_FIELD_NAMES = {**OPENAI_FIELD_NAMES, "sampling_params.top_logprobs_num": "top_logprobs"}
 
 
 class CompletionRequest(OpenAICommon):
+    prompt_text = (("prompt",), ("prompt", int))
+
     prompt: Any
     max_tokens: int | None = Field(16, ge=1, le=MAX_NEW_TOKENS_LIMIT)
     echo: bool = False
@@ -117,6 +139,14 @@ class CompletionRequest(OpenAICommon):
             return check_token_list(v, "prompt")
         raise ValueError("prompt: must be a string, a list of strings, a list of token ids or a list of such lists")
 
+    @model_validator(mode="after")
+    def _echo_logprobs(self):
+        # lm-eval's multiple-choice scoring asks for this; answering with the output's log probabilities alone
+        # would score every choice 0 without a word
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo: echo with logprobs needs prompt log-probabilities, not supported yet")
+        return self
+
     def logprob_request(self):
         # OpenAI's completions: logprobs = k returns the chosen token's and the k most likely tokens' logprobs
         return (None, None) if self.logprobs is None else (True, self.logprobs)
@@ -136,6 +166,16 @@ class ContentPart(_Strict):
     text: str
 
 
+def _content_part(part: Any, i: int) -> str:
+    if isinstance(part, dict) and isinstance(part.get("type"), str) and part["type"] != "text":
+        raise ValueError(f"content[{i}].type: {part['type']!r} parts are not supported (this server's models read "
+                         f"text only: use {{\"type\": \"text\", \"text\": ...}} parts or a string)")
+    try:
+        return ContentPart.model_validate(part).text
+    except ValidationError as e:
+        raise ValueError(first_error(e, f"content[{i}]").lstrip(".")) from None
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: Any
@@ -147,35 +187,48 @@ class ChatMessage(_Strict):
         if isinstance(v, str):
             return v
         if isinstance(v, list):
-            parts = []
-            for i, part in enumerate(v):
-                try:
-                    parts.append(ContentPart.model_validate(part).text)
-                except ValidationError as e:
-                    raise ValueError(first_error(e, f"content[{i}]").lstrip(".")) from None
-            return "".join(parts)
+            return "".join(_content_part(part, i) for i, part in enumerate(v))
         raise ValueError("content: must be a string or a list of text parts")
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(OpenAICommon):
+    prompt_text = (("messages", int, "content"), ("messages", int, "content", int, "text"))
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS_LIMIT)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS_LIMIT)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    response_format: ResponseFormat | None = None
-    tools: list[dict] | None = None
-    tool_choice: Literal["none"] | None = None
-    parallel_tool_calls: bool | None = None
+    # not implemented: only the values that mean "none of it" (else a 400 naming the field)
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None  # accepted and ignored: there are no tools
 
-    @field_validator("tools")
+    @field_validator("tools", "functions")
     @classmethod
-    def _unsupported(cls, v, info):
-        return neutral_only(v, info.field_name)
+    def _no_tools(cls, v, info):
+        if v is None or (isinstance(v, list) and not v):
+            return v
+        raise ValueError(f"{info.field_name}: tool and function calling is not supported by this server (only [] or "
+                         f"null)")
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, v, info):
+        if v is None or v == "none":
+            return v
+        raise ValueError(f"{info.field_name}: tool and function calling is not supported by this server (only "
+                         f"\"none\" or null)")
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, v):
+        if v is None or v == {"type": "text"}:
+            return v
+        raise ValueError("response_format: only {\"type\": \"text\"} is supported (no JSON mode or schemas)")
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from serve.schemas.common import (MAX_N, MAX_NEW_TOKENS_LIMIT, MAX_TOP_LOGPROBS, PenaltyFields, StopFields, _Strict,
+from serve.schemas.common import (MAX_N, MAX_NEW_TOKENS_LIMIT, MAX_TOP_LOGPROBS, Body, PenaltyFields, StopFields,
                                   check_token_list, clean_msg, format_loc)
 
 
@@ -69,10 +69,12 @@ def _one_sampling_params(v: Any, field: str) -> SamplingParamsBody:
         raise ValueError(f"{field}{key}: {msg}") from None
 
 
-class GenerateRequest(_Strict):
+class GenerateRequest(Body):
     """SGLang's ``GenerateReqInput``. ``stream_provisional`` (this server's extension) adds the block being
     denoised to the stream after every step. Logprob fields are checked here and served once the engine computes
     log probabilities (:mod:`serve.features`)."""
+
+    prompt_text = (("text",), ("text", int))
 
     text: Any = None
     input_ids: Any = None
@@ -149,11 +151,13 @@ class GenerateRequest(_Strict):
 # ----------------------------------------------------------------------------------------------
 # Admin
 # ----------------------------------------------------------------------------------------------
-class ProfileRequest(_Strict):
+class ProfileRequest(Body):
+    """``output_dir``: relative to the server's profile root, and refused outside it (:mod:`serve.routes.admin`)."""
+
     output_dir: str | None = None
     num_steps: int | None = Field(None, ge=0)
 
 
-class AbortRequest(_Strict):
+class AbortRequest(Body):
     rid: str = ""
     abort_all: bool = False

@@ -1,0 +1,178 @@
+"""Generated bad input against a real server while long requests stream (issue 34: one bad request must never
+hurt another).
+
+At least 300 generated inputs across the endpoints (a valid body with one or two fields set to an extreme value
+of another kind, width or encoding; malformed, truncated, nested or oversized bodies; bad paths and methods),
+sent while long greedy requests stream on ``/generate`` and ``/v1/chat/completions``. Every answer must be a
+4xx with a JSON error naming a field (or a 2xx where the generated value happened to be valid); no 5xx, no
+hang; the long requests finish token for token as they do alone; nothing is left running or locked.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+import os
+import random
+
+import httpx
+import pytest
+
+from conftest import TEST_XLA_FLAGS
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONTEXT = 512
+SHAPE_BUCKETS = {"rows": [8], "pages": [CONTEXT // 32], "prefill_rows": [1], "prefill_blocks": [2]}
+LONG = {"max_new_tokens": 192, "ignore_eos": True, "temperature": 0}
+LONG_PROMPTS = ["Count up 40 steps from 7.", "Repeat 30 times: blue fox"]
+TIMEOUT = 60.0
+
+INTS = [-2 ** 63, -2 ** 31 - 1, -1, 0, 2 ** 31, 2 ** 32, 2 ** 63, 10 ** 30, 10 ** 400]
+FLOATS = [-1e308, -2.5, -0.0, 1e-320, 1e-45, 3.5e38, 1e308]
+STRINGS = ["", "\ud800", "a\udfffb", "\x00", "a\x00b", "x" * 100_000, "\U0001f600", "1", "null"]
+OTHERS = [None, True, False, [], {}, [None], [[[]]], {"": None}, [2 ** 40], ["\ud800"], [-1], {"\ud800": 1}]
+POOL = INTS + FLOATS + STRINGS + OTHERS
+
+GENERATE_FIELDS = ["text", "input_ids", "rid", "stream", "n", "return_logprob", "top_logprobs_num",
+                   "return_text_in_logprobs", "stream_provisional", "sampling_params"]
+SAMPLING_FIELDS = ["max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids",
+                   "ignore_eos", "skip_special_tokens", "seed", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "logit_bias", "n", "return_logprob", "top_logprobs_num"]
+OPENAI_FIELDS = ["model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "stream",
+                 "stream_options", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "logit_bias", "min_tokens", "user", "metadata", "ignore_eos",
+                 "stop_token_ids", "response_format", "tools", "echo", "suffix", "best_of"]
+
+
+def _bodies(rng: random.Random, model: str) -> list[tuple[str, str, bytes | None, dict]]:
+    """(method, path, raw body, headers) cases."""
+    def value():
+        v = rng.choice(POOL)
+        if rng.random() < 0.15:  # a container of the value
+            v = rng.choice([[v], {"0": v}, [v] * rng.randint(2, 400)])
+        return v
+
+    cases = []
+    for _ in range(80):  # /generate
+        body = {"text": "Count up 3 steps from 5.", "sampling_params": {"max_new_tokens": 8}}
+        for _ in range(rng.randint(1, 2)):
+            if rng.random() < 0.6:
+                body["sampling_params"][rng.choice(SAMPLING_FIELDS)] = value()
+            else:
+                body[rng.choice(GENERATE_FIELDS)] = value()
+        cases.append(("POST", "/generate", json.dumps(body).encode(), {}))
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        for _ in range(60):
+            if path == "/v1/completions":
+                body = {"model": model, "prompt": "Count up 3 steps from 5.", "max_tokens": 8}
+            else:
+                body = {"model": model, "messages": [{"role": "user", "content": "Count up 3 steps from 5."}],
+                        "max_tokens": 8}
+            for _ in range(rng.randint(1, 2)):
+                r = rng.random()
+                if r < 0.7:
+                    body[rng.choice(OPENAI_FIELDS)] = value()
+                elif path.endswith("chat/completions"):
+                    body["messages"] = rng.choice([value(), [{"role": value(), "content": "x"}],
+                                                   [{"role": "user", "content": value()}],
+                                                   [{"role": "user", "content": [{"type": "text", "text": value()}]}],
+                                                   [{"role": "user", "content": [{"type": "image_url",
+                                                                                  "image_url": {"url": "x"}}]}]])
+                else:
+                    body["prompt"] = value()
+            cases.append(("POST", path, json.dumps(body).encode(), {}))
+    raw = [b"", b"{", b"[", b"null", b"1", b'"x"', b"{\"text\": }", b"\xff\xfe", b"{\"text\": \"\\ud800\"}",
+           b"[" * 100_000 + b"]" * 100_000, b"{\"a\":" * 50_000 + b"1" + b"}" * 50_000, b"1e999999",
+           b"{\"text\": \"x\", \"sampling_params\": {\"max_new_tokens\": 1e999}}", b"\x00" * 64,
+           json.dumps({"text": "x", "text": "y"}).encode(), b"{\"text\": \"x\"}" + b" " * 10 + b"garbage"]
+    for body in raw:
+        for path in ("/generate", "/v1/completions", "/v1/chat/completions", "/abort_request", "/start_profile"):
+            cases.append(("POST", path, body, {}))
+    for _ in range(20):
+        cases.append(("POST", rng.choice(["/abort_request", "/start_profile"]),
+                      json.dumps({rng.choice(["rid", "abort_all", "output_dir", "num_steps"]): value()}).encode(),
+                      {}))
+    for path in ("/v1/models/\ud800".encode("utf-8", "surrogatepass").decode("latin-1"), "/v1/models/%00",
+                 "/v1/models/" + "x" * 5000, "/../../etc/passwd", "/generate/%2e%2e", "/nope"):
+        cases.append(("GET", path, None, {}))
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", ""):
+        cases.append(("POST", "/generate", b'{"text": "x", "sampling_params": {"max_new_tokens": 4}}',
+                      {"Content-Type": ctype}))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from dllm_jax.assets import DEFAULT_MODEL_PATH
+    from serve.launch import ServerProcess
+
+    log_path = tmp_path_factory.mktemp("fuzz_log") / "server.log"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=TEST_XLA_FLAGS, TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=REPO)
+    args = ["--model-path", DEFAULT_MODEL_PATH, "--max-running-requests", "4", "--context-length", str(CONTEXT),
+            "--max-prefill-tokens", "64", "--shape-buckets", json.dumps(SHAPE_BUCKETS), "--no-warmup",
+            "--log-level", "warning", "--no-access-log", "--profile-dir", str(tmp_path_factory.mktemp("profiles"))]
+    with ServerProcess(args, env=env, cwd=REPO, log_path=str(log_path)) as proc:
+        yield proc
+    text = proc.output()
+    assert "Traceback" not in text, text[-5000:]
+
+
+def _long(base: str, prompt: str, chat: bool) -> dict:
+    """One long greedy request, streamed; its output ids (or text, for chat) and how it ended."""
+    with httpx.Client(base_url=base, timeout=TIMEOUT * 4) as c:
+        if chat:
+            body = {"messages": [{"role": "user", "content": prompt}], "stream": True, "max_tokens": 192,
+                    "temperature": 0, "ignore_eos": True}
+            path = "/v1/chat/completions"
+        else:
+            body = {"text": prompt, "sampling_params": LONG, "stream": True}
+            path = "/generate"
+        frames = []
+        with c.stream("POST", path, json=body) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    frames.append(json.loads(line[6:]))
+        if chat:
+            text = "".join(f["choices"][0]["delta"].get("content") or "" for f in frames if f.get("choices"))
+            return {"text": text, "finish": frames[-1]["choices"][0].get("finish_reason") if frames else None}
+        return {"ids": frames[-1]["output_ids"], "finish": frames[-1]["meta_info"]["finish_reason"]}
+
+
+def test_generated_bad_input_hurts_no_request(server):
+    base = server.base
+    model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+    longs = [(p, chat) for p in LONG_PROMPTS for chat in (False, True)]
+    alone = [_long(base, p, chat) for p, chat in longs]
+    cases = _bodies(random.Random(34), model)
+    assert len(cases) >= 300
+    counts, bad = collections.Counter(), []
+    with concurrent.futures.ThreadPoolExecutor(len(longs)) as pool, \
+            httpx.Client(base_url=base, timeout=TIMEOUT) as client:
+        running = [pool.submit(_long, base, p, chat) for p, chat in longs]
+        for method, path, body, headers in cases:
+            headers = {"Content-Type": "application/json", **headers}
+            try:
+                r = client.request(method, path, content=body, headers=headers)
+            except httpx.TimeoutException:
+                counts["hang"] += 1
+                bad.append((path, body[:200] if body else None, "hang"))
+                continue
+            counts[f"{r.status_code // 100}xx"] += 1
+            if r.status_code >= 500:
+                bad.append((path, body[:200] if body else None, r.status_code, r.text[:300]))
+            elif r.status_code >= 400:
+                err = r.json().get("error", {})
+                if not err.get("message") or (r.status_code == 400 and not err.get("param")):
+                    bad.append((path, body[:200] if body else None, r.status_code, r.text[:300]))
+            elif r.status_code == 200 and r.headers.get("content-type", "").startswith("text/event-stream"):
+                assert "data: [DONE]" in r.text
+        together = [f.result() for f in running]
+    print(f"\n{len(cases)} generated inputs: {dict(counts)}")
+    assert not bad, bad[:10]
+    assert counts["hang"] == 0 and counts["5xx"] == 0
+    assert together == alone  # the long requests, untouched
+    load = httpx.get(base + "/internal/load").json()
+    assert load["running_requests"] == 0 and load["kv_pages_locked"] == 0, load

@@ -1,0 +1,328 @@
+"""Hardening of the HTTP server (issue 34) against a real ``uvicorn`` process (``python -m serve``): text that UTF-8
+cannot carry, the profiler's root, the browser defences (JSON bodies only, the Host and Origin checks), the body
+timeout, tokenizing off the event loop, and OpenAI's edges (unknown models, ignored and refused fields, the
+client's own field names in errors).
+
+One server for the module, with tests/test_serve.py's engine flags (the same device programs, from the run's
+compilation cache), no API key (the defaults a user gets on loopback), ``--allowed-hosts`` and ``--profile-dir``
+set, a short ``--body-timeout`` and room for a 10,000-prompt batch; generations are a token or two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import TEST_XLA_FLAGS
+from test_serve import CONTEXT, MAX_RUNNING, PREFILL_TOKENS, REPO, SHAPE_BUCKETS, SHIPPED, build_chat_model
+
+from dllm_jax.assets import DEFAULT_MODEL_PATH
+
+BODY_TIMEOUT = 2.0
+MAX_QUEUED = 10_000  # a 10,000-prompt batch fits: it is tokenized (and then refused for one over-long prompt)
+NAMES = ("primary-name", "alias-name")
+GOOD_HOST = "good.example"
+JSON = {"Content-Type": "application/json"}
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    if SHIPPED:
+        return DEFAULT_MODEL_PATH
+    return build_chat_model(str(tmp_path_factory.mktemp("hardening_model") / "model"))
+
+
+@pytest.fixture(scope="module")
+def profile_root(tmp_path_factory):
+    return os.path.realpath(tmp_path_factory.mktemp("profiles"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, profile_root, tmp_path_factory):
+    from serve.launch import ServerProcess
+
+    log_path = tmp_path_factory.mktemp("hardening_log") / "server.log"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_DEFAULT_MATMUL_PRECISION="highest", XLA_FLAGS=TEST_XLA_FLAGS,
+               TOKENIZERS_PARALLELISM="false", PYTHONPATH=REPO)
+    args = ["--model-path", model_dir, "--host", "127.0.0.1", "--max-running-requests", str(MAX_RUNNING),
+            "--context-length", str(CONTEXT), "--max-prefill-tokens", str(PREFILL_TOKENS),
+            "--shape-buckets", json.dumps(SHAPE_BUCKETS), "--no-warmup", "--max-queued-requests", str(MAX_QUEUED),
+            "--served-model-name", ",".join(NAMES), "--allowed-hosts", GOOD_HOST, "--profile-dir", profile_root,
+            "--body-timeout", str(BODY_TIMEOUT), "--log-level", "info", "--no-access-log"]
+    with ServerProcess(args, env=env, cwd=REPO, log_path=str(log_path)) as proc:
+        # the engine's --profile-dir also traces its first steps: stop that one (written at the root itself)
+        assert httpx.post(proc.base + "/stop_profile").json()["output_dir"] == profile_root
+        yield {"base": proc.base, "port": proc.port, "log": log_path}
+    text = proc.output()
+    assert "Traceback" not in text, text
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server["base"], timeout=120) as c:
+        yield c
+
+
+def post_raw(client, path: str, body, headers=JSON) -> httpx.Response:
+    """``body`` as JSON with every non-ASCII character escaped (``"\\ud800"``, as a client's JSON library spells a
+    lone surrogate), or bytes as they are."""
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return client.post(path, content=content, headers=headers)
+
+
+def assert_error(r: httpx.Response, status: int, param: str, code=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    assert err["message"].startswith(param + ":"), err
+    assert err["code"] == (status if code is None else code), err
+    return err
+
+
+# ----------------------------------------------------------------------------------------------
+# Text: lone surrogates anywhere, NUL outside prompt text
+# ----------------------------------------------------------------------------------------------
+S, NUL = "a\ud800b", "a\x00b"
+BAD_TEXT = [
+    ("/generate", {"text": S}, "text"),
+    ("/generate", {"text": ["fine", S]}, "text[1]"),
+    ("/generate", {"text": "hi", "rid": S}, "rid"),
+    ("/generate", {"text": "hi", "rid": NUL}, "rid"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop": ["ok", S]}}, "sampling_params.stop[1]"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop": NUL}}, "sampling_params.stop"),
+    ("/generate", {"text": ["a", "b"], "sampling_params": [{}, {"stop": [S]}]}, "sampling_params[1].stop[0]"),
+    ("/generate", {"text": "hi", "sampling_params": {"logit_bias": {"\udc00": 1}}},
+     "sampling_params.logit_bias.\\udc00"),
+    ("/generate", {"text": "hi", S: 1}, "a\\ud800b"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": S}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": S}]}]},
+     "messages[0].content[0].text"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": NUL}]}, "messages[0].name"),
+    ("/v1/chat/completions", {"messages": CHAT, "model": S}, "model"),
+    ("/v1/chat/completions", {"messages": CHAT, "model": "primary-name\x00"}, "model"),
+    ("/v1/chat/completions", {"messages": CHAT, "stop": [NUL]}, "stop[0]"),
+    ("/v1/chat/completions", {"messages": CHAT, "user": S}, "user"),
+    ("/v1/chat/completions", {"messages": CHAT, "metadata": {"k": S}}, "metadata.k"),
+    ("/v1/completions", {"prompt": ["ok", S]}, "prompt[1]"),
+    ("/v1/completions", {"prompt": "hi", "stop": S}, "stop"),
+    ("/abort_request", {"rid": S}, "rid"),
+    ("/start_profile", {"output_dir": S}, "output_dir"),
+    ("/start_profile", {"output_dir": "run\x00/../../x"}, "output_dir"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", BAD_TEXT, ids=[f"{p}:{param}" for p, _, param in BAD_TEXT])
+def test_unencodable_text_is_400_naming_the_field(client, path, body, param):
+    assert_error(post_raw(client, path, body), 400, param)
+
+
+def test_raw_surrogate_bytes_and_nul_prompt(client):
+    """UTF-8 bytes of a surrogate (which Python's JSON decoder lets through) name the field too; a NUL in prompt text
+    is the tokenizer's business, and this model's keeps it (every other request here is served meanwhile)."""
+    assert_error(post_raw(client, "/generate", b'{"text": "a\xed\xa0\x80b"}'), 400, "text")
+    r = post_raw(client, "/generate", {"text": NUL, "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 200, r.text
+    r = post_raw(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": NUL}], "max_tokens": 1})
+    assert r.status_code == 200, r.text
+
+
+# ----------------------------------------------------------------------------------------------
+# OpenAI's edges
+# ----------------------------------------------------------------------------------------------
+def test_models_names_and_aliases(client):
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == list(NAMES)
+    for name in NAMES:
+        r = client.get(f"/v1/models/{name}")
+        assert r.status_code == 200 and r.json()["id"] == name and r.json()["object"] == "model"
+    err = assert_error(client.get("/v1/models/gpt-4o"), 404, "model", code="model_not_found")
+    assert err["type"] == "invalid_request_error"
+    for path, body in (("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": "hi"})):
+        err = assert_error(client.post(path, json={**body, "model": "gpt-4o"}), 404, "model", code="model_not_found")
+        assert err["type"] == "invalid_request_error" and "gpt-4o" in err["message"]
+    # the alias, and no model at all, are served; answers name the primary
+    for model in ("alias-name", None):
+        r = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, "model": model})
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == NAMES[0]
+
+
+def test_ignored_fields_are_accepted_and_logged_once(server, client):
+    ignored = {"metadata": {"session": "s1"}, "user": "u-42", "store": False, "service_tier": "auto"}
+    for _ in range(2):
+        r = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, "parallel_tool_calls": True,
+                                                      "stream_options": {"include_usage": True}, **ignored})
+        assert r.status_code == 200, r.text
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, **ignored})
+        assert r.status_code == 200, r.text
+    log = server["log"].read_text()
+    for name in (*ignored, "parallel_tool_calls"):
+        assert log.count(f"OpenAI field {name!r} accepted and ignored") == 1, log
+
+
+REFUSED = [
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "auto"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {"messages": CHAT, "function_call": "auto"}, "function_call"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}]},
+     "messages[0].content[1].type"),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5000": 1}}, "logit_bias.5000"),
+    ("/v1/chat/completions", {"messages": CHAT, "stop_token_ids": [1, 10 ** 6]}, "stop_token_ids"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 0}, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", REFUSED, ids=[param for _, _, param in REFUSED])
+def test_unsupported_openai_fields_are_400_naming_the_field(client, path, body, param):
+    err = assert_error(client.post(path, json=body), 400, param)
+    assert "sampling_params" not in err["message"], err
+
+
+def test_every_client_error_names_its_part(server, client):
+    assert_error(post_raw(client, "/generate", b'{"text": "hi",'), 400, "body")
+    assert post_raw(client, "/generate", b'{"text": "hi",').json()["error"]["message"].startswith(
+        "body: malformed JSON")
+    assert_error(post_raw(client, "/v1/completions", b"[1, 2]"), 400, "body")
+    assert_error(post_raw(client, "/v1/completions", b"\xff\xfe\xfd"), 400, "body")
+    assert_error(post_raw(client, "/generate", b"[" * 100_000 + b"]" * 100_000), 400, "body")
+    assert_error(post_raw(client, "/generate", b""), 400, "body")
+    assert_error(client.get("/no/such/route"), 404, "path")
+    assert_error(client.post("/v1/models", json={}), 405, "method")
+    assert_error(client.get("/generate"), 405, "method")
+
+
+# ----------------------------------------------------------------------------------------------
+# The profiler writes only under its root
+# ----------------------------------------------------------------------------------------------
+def test_profile_dir_is_confined(client, profile_root, tmp_path_factory):
+    outside = tmp_path_factory.mktemp("outside")
+    os.symlink(outside, os.path.join(profile_root, "link-out"))
+    for out in ("../escape", "/tmp", str(outside), "link-out", "link-out/deeper", "a/../../b"):
+        assert_error(client.post("/start_profile", json={"output_dir": out}), 403, "output_dir")
+    assert_error(client.post("/start_profile", json={"output_dir": "bad\x00dir"}), 400, "output_dir")
+    assert os.listdir(outside) == [] and not os.path.exists(os.path.join(os.path.dirname(profile_root), "escape"))
+
+    r = client.post("/start_profile", json={"output_dir": "run1"})
+    assert r.status_code == 200, r.text
+    assert r.json()["output_dir"] == os.path.join(profile_root, "run1")
+    assert client.post("/generate", json={"input_ids": [5, 6, 7],
+                                          "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+    r = client.post("/stop_profile")  # no body: no content type needed
+    assert r.status_code == 200 and r.json()["output_dir"] == os.path.join(profile_root, "run1")
+    files = [f for _, _, fs in os.walk(os.path.join(profile_root, "run1")) for f in fs]
+    assert any(f.endswith((".xplane.pb", ".trace.json.gz")) for f in files), files
+    # an absolute path inside the root is inside
+    r = client.post("/start_profile", json={"output_dir": os.path.join(profile_root, "run2")})
+    assert r.status_code == 200 and client.post("/stop_profile").status_code == 200
+
+
+# ----------------------------------------------------------------------------------------------
+# Browser defences: JSON bodies only, Host (DNS rebinding) and Origin
+# ----------------------------------------------------------------------------------------------
+def test_post_bodies_must_be_json(client):
+    body = json.dumps({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}})
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        assert_error(client.post("/generate", content=body, headers={"Content-Type": ctype}), 415, "content-type")
+    assert_error(client.post("/abort_request", content=b'{"abort_all": true}', headers={"Content-Type": ""}), 415,
+                 "content-type")
+    r = httpx.post(client.base_url.join("/generate"), content=body.encode())  # a body and no type at all
+    assert_error(r, 415, "content-type")
+    for ctype in ("application/json", "application/json; charset=utf-8", "application/vnd.api+json"):
+        r = client.post("/generate", content=body, headers={"Content-Type": ctype})
+        assert r.status_code == 200, (ctype, r.text)
+    assert client.post("/flush_cache").status_code == 200  # a POST without a body needs no type
+
+
+def test_host_and_origin_checks(server, client):
+    port = server["port"]
+    for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example", "good.example.evil", "[::1]x"):
+        r = client.get("/health", headers={"Host": host})
+        assert_error(r, 421, "host")
+        assert_error(client.post("/abort_request", json={"abort_all": True}, headers={"Host": host}), 421, "host")
+    for host in (f"127.0.0.1:{port}", "localhost", f"localhost:{port}", "[::1]:1", "10.1.2.3:80", GOOD_HOST,
+                 f"{GOOD_HOST}:8443", "GOOD.example."):
+        r = client.get("/v1/models", headers={"Host": host})
+        assert r.status_code == 200, (host, r.text)
+    for origin in ("http://evil.example", f"http://evil.example:{port}", "null", "http://10.9.9.9"):
+        assert_error(client.post("/flush_cache", headers={"Origin": origin}), 403, "origin")
+    for origin in (f"http://127.0.0.1:{port}", f"https://{GOOD_HOST}"):
+        assert client.get("/v1/models", headers={"Origin": origin}).status_code == 200
+    # a page of this server reached by an address (the playground over a LAN or a port mapping): same origin
+    r = client.get("/v1/models", headers={"Host": "10.1.2.3:8000", "Origin": "http://10.1.2.3:8000"})
+    assert r.status_code == 200, r.text
+
+
+# ----------------------------------------------------------------------------------------------
+# A body that never finishes: 408 and the connection closed
+# ----------------------------------------------------------------------------------------------
+def test_slow_body_gets_408_and_closed(server):
+    with socket.create_connection(("127.0.0.1", server["port"]), timeout=BODY_TIMEOUT + 20) as sock:
+        t0 = time.perf_counter()
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n" + b'{"text": "hi')  # 12 of the 100 bytes, then nothing
+        data = b""
+        while chunk := sock.recv(65536):  # until the server closes the connection
+            data += chunk
+        elapsed = time.perf_counter() - t0
+    head, _, payload = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), data
+    assert b"connection: close" in head.lower()
+    assert json.loads(payload)["error"]["param"] == "body"
+    assert BODY_TIMEOUT - 0.1 <= elapsed < BODY_TIMEOUT + 10, elapsed
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizing off the event loop; sizes first
+# ----------------------------------------------------------------------------------------------
+def test_big_batch_does_not_freeze_the_server(server, client):
+    """10,000 prompts are tokenized in a worker thread: /health answers meanwhile. The last prompt is over the
+    token limit, so the batch ends in a 400 naming it once all were tokenized (nothing reaches the engine). A
+    batch over the capacity is refused before anything is tokenized."""
+    prompt = "Count by twos from 13, then list the animals in reverse: cat, dog, emu, yak. "
+    too_long = "word " * 2000  # over the 511-token limit, under the character limit that skips tokenizing
+    texts = [prompt + str(i) for i in range(MAX_QUEUED - 1)] + [too_long]
+    asked, stop = [], threading.Event()  # (when, seconds) of every /health
+
+    def poll():
+        with httpx.Client(base_url=server["base"], timeout=30) as c:
+            while not stop.is_set():
+                t = time.perf_counter()
+                assert c.get("/health").status_code == 200
+                asked.append((t, time.perf_counter() - t))
+                time.sleep(0.02)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        time.sleep(0.2)
+        t0 = time.perf_counter()
+        r = client.post("/generate", json={"text": texts, "sampling_params": {"max_new_tokens": 1}})
+        t1 = time.perf_counter()
+    finally:
+        stop.set()
+        poller.join()
+    assert_error(r, 400, f"text[{MAX_QUEUED - 1}]")
+    during = [s for t, s in asked if t0 <= t <= t1]
+    print(f"\n10,000-prompt batch: {t1 - t0:.2f} s; /health meanwhile: {len(during)} answers, median "
+          f"{statistics.median(during) * 1e3:.1f} ms, max {max(during) * 1e3:.1f} ms")
+    assert statistics.median(during) < 0.1 and max(during) < 0.5, during
+    assert len(during) >= 10, during  # it did take a while: /health was asked while the batch was tokenized
+
+    # over the capacity (running + queued): refused at once, whatever the prompts
+    t0 = time.perf_counter()
+    r = client.post("/generate", json={"text": ["hi"] * (MAX_RUNNING + MAX_QUEUED + 1)})
+    assert_error(r, 400, "text")
+    assert "capacity" in r.json()["error"]["message"] and time.perf_counter() - t0 < 2
+    r = client.post("/v1/completions", json={"prompt": ["hi"] * 80, "n": 128, "max_tokens": 1})
+    assert_error(r, 400, "n")
