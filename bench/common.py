@@ -122,7 +122,7 @@ def shipped_model_path(override: str | None = None) -> str | None:
 
 def _tokenizer_source(ctx: Ctx):
     """The shipped model's tokenizer, else the one the training code builds (cached under the output dir)."""
-    from dllm_jax.model.loader import load_tokenizer
+    from dllm_jax.model.tokenizer import load_tokenizer
 
     path = shipped_model_path(ctx.model_path)
     if path is not None:
@@ -147,8 +147,8 @@ def build_random_model(out_dir: str, tokenizer, *, shape: dict, seed: int = 0, s
     import jax
 
     from dllm_jax.config import ModelConfig
-    from dllm_jax.model.loader import save_hf
-    from dllm_jax.model.qwen3 import init_params
+    from dllm_jax.model.converted import save_hf
+    from dllm_jax.model.params import init_params
     from dllm_jax.train import tokenizer as tok_lib
 
     ids = tok_lib.special_ids(tokenizer)
@@ -174,7 +174,7 @@ def _count_params(path: str) -> int:
 
 
 def _build_model(ctx: Ctx, name: str) -> ModelInfo:
-    from dllm_jax.model.loader import load_tokenizer
+    from dllm_jax.model.tokenizer import load_tokenizer
 
     if name == "shipped":
         path = shipped_model_path(ctx.model_path)
@@ -193,7 +193,7 @@ def _build_model(ctx: Ctx, name: str) -> ModelInfo:
 
 def random_model(ctx: Ctx, name: str, key: str, label: str, shape: dict, **build_kwargs) -> ModelInfo:
     """A random model with the project's tokenizer, built once under ``<out>/models/<key>-vocab<V>``."""
-    from dllm_jax.model.loader import load_tokenizer
+    from dllm_jax.model.tokenizer import load_tokenizer
 
     tok = _tokenizer_source(ctx)
     path = os.path.join(os.path.abspath(ctx.out_dir), "models", f"{key}-vocab{len(tok)}")
@@ -294,13 +294,13 @@ def percentile(values, q):
 def run_requests(engine, prompts: list[list[int]], params: dict, concurrency: int) -> dict:
     """Closed loop: keep ``concurrency`` requests in flight until every prompt is served; drive the engine from
     this thread (``engine.step``) and time every round and every device call. Returns the figures."""
-    from dllm_jax.engine.runner import ModelRunner
+    from dllm_jax.engine.compilation import compiled_executables
 
     pending = collections.deque(enumerate(prompts))
     inflight: dict[int, Any] = {}
     results: list = [None] * len(prompts)
     step_walls, step_device, step_dispatch = [], [], []
-    compiled0 = ModelRunner.compiled_executables()
+    compiled0 = compiled_executables()
     calls0 = engine.runner.device_calls
     stats0 = dict(engine.get_load())
     with device_timer() as log:
@@ -360,7 +360,7 @@ def run_requests(engine, prompts: list[list[int]], params: dict, concurrency: in
         "host_overhead_frac": (total_step - device) / total_step if total_step else float("nan"),
         "dispatch_ms_mean": 1e3 * dispatch / max(len(step_walls), 1),
         "host_ms_per_step": 1e3 * (total_step - device) / max(len(step_walls), 1),
-        "recompiles": ModelRunner.compiled_executables() - compiled0,
+        "recompiles": compiled_executables() - compiled0,
         "outputs": [r["output_ids"] for r in results],
     }
 

@@ -36,7 +36,7 @@ def _run_mode(mode: str, model_path: str) -> dict:
     engine = Engine(model_path, max_running_requests=8, context_length=512, compilation_cache="off", warmup=True,
                     progress=False, shape_buckets=buckets)
     if mode == "inline":
-        engine.runner.warmed_classes.clear()  # the engine before issue 34: every compile on the scheduler's thread
+        engine.runner.compiler.warmed_classes.clear()  # the engine before issue 34: every compile on the scheduler's thread
     engine.start()
     prompts = [engine.apply_chat_template(f"Count up {4 + i % 6} steps from {10 + i}.") for i in range(64)]
     plain = {"max_new_tokens": MAX_NEW, "temperature": 0}

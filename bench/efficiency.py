@@ -357,7 +357,7 @@ def _api_seconds(engine, work: Workload, outputs: list[list[int]], passes: int =
             engine.make_request(list(ids), work.params)
         if engine.tokenizer is not None:
             for out in outputs:
-                engine._decode(out)
+                engine.output.decode(out)
         best = min(best, time.perf_counter() - t0)
     return best
 

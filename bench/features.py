@@ -45,7 +45,7 @@ def measure(model_path: str | None = None, rows: int = 32, prefix_pages: int = 4
     import jax
 
     from dllm_jax import Engine
-    from dllm_jax.engine.runner import DecodeRow, PenaltyRow
+    from dllm_jax.engine.calls import DecodeRow, PenaltyRow
 
     engine = Engine(model_path, max_running_requests=rows, context_length=(prefix_pages + 1) * 32,
                     fold_commit_forward=False, block_size=32, num_kv_pages=rows * (prefix_pages + 1) + 1,

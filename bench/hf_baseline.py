@@ -38,7 +38,8 @@ class HFBlockDiffusion:
         import torch
         from transformers import Qwen3ForCausalLM
 
-        from dllm_jax.model.loader import load_tokenizer, resolve_config
+        from dllm_jax.model.loader import resolve_config
+        from dllm_jax.model.tokenizer import load_tokenizer
 
         if num_threads:
             torch.set_num_threads(num_threads)

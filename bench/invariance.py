@@ -36,8 +36,8 @@ def _random_checkpoint(out_dir: str, block: int, seed: int) -> str:
     import jax
 
     from dllm_jax.config import ModelConfig
-    from dllm_jax.model.loader import save_hf
-    from dllm_jax.model.qwen3 import init_params
+    from dllm_jax.model.converted import save_hf
+    from dllm_jax.model.params import init_params
 
     cfg = ModelConfig(vocab_size=RANDOM_VOCAB, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=32, max_position_embeddings=512, mask_token_id=RANDOM_MASK_ID,

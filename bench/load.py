@@ -2,7 +2,7 @@
 
 ``load``: a random checkpoint with the SDAR-1.7B shape (Qwen3-1.7B: 28 layers, hidden 2048, 16 q / 8 KV heads,
 head dim 128, MLP 6144, vocab 151,936, tied; 3.2 GiB of bf16 in sharded safetensors, written by
-:func:`dllm_jax.model.layouts.write_published`), loaded in fresh processes, alternating, ``--load-repeats`` times:
+:func:`dllm_jax.testing.published.write_published`), loaded in fresh processes, alternating, ``--load-repeats`` times:
 
 * ``engine``: ``Engine(path, dtype="bfloat16", max_running_requests=1, num_kv_pages=64, context_length=256)``
   (tokenizer, config, weights, KV pool; no compile), with ``load_model`` (tokenizer, config, weights) and the
@@ -56,7 +56,7 @@ SHARD_BYTES = 1 << 30  # 4 shards at the 1.7B shape, as the published SDAR-1.7B-
 
 def checkpoint(ctx: Ctx, name: str, layers: int, *, std: float = 0.02, embed_std: float = 0.02) -> tuple[str, bool]:
     """A published-layout SDAR checkpoint at the 1.7B shape with ``layers`` layers; (path, created here)."""
-    from dllm_jax.model import layouts
+    from dllm_jax.testing import published
 
     root = ctx.overrides.get("load_dir")
     owned = root is None
@@ -68,10 +68,10 @@ def checkpoint(ctx: Ctx, name: str, layers: int, *, std: float = 0.02, embed_std
         shutil.rmtree(path, ignore_errors=True)
         ctx.log(f"writing a {layers}-layer SDAR-1.7B-shaped checkpoint to {path}")
         t0 = time.perf_counter()
-        layouts.write_published(path, "sdar", dims=dict(layouts.SDAR_1P7B_SHAPE, num_hidden_layers=layers),
+        published.write_published(path, "sdar", dims=dict(published.SDAR_1P7B_SHAPE, num_hidden_layers=layers),
                                 std=std, embed_std=embed_std, max_shard_bytes=SHARD_BYTES)
         open(marker, "w").close()
-        ctx.log(f"wrote {layouts.checkpoint_bytes(path) / GIB:.2f} GiB in {time.perf_counter() - t0:.0f} s")
+        ctx.log(f"wrote {published.checkpoint_bytes(path) / GIB:.2f} GiB in {time.perf_counter() - t0:.0f} s")
     return path, owned
 
 
@@ -169,9 +169,9 @@ def _probe_transformers(path: str) -> dict:
 
 
 def _probe_floor(path: str) -> dict:
-    from dllm_jax.model.loader import SafetensorsFile, _safetensor_files
+    from dllm_jax.model.safetensors_io import SafetensorsFile, safetensor_files
 
-    files = [SafetensorsFile(p) for p in _safetensor_files(path)]
+    files = [SafetensorsFile(p) for p in safetensor_files(path)]
     infos = [(st, name, info) for st in files for name, info in st.tensors.items()]
     t0 = time.perf_counter()
     buf = np.empty(max(i.nbytes for _, _, i in infos), np.uint8)
@@ -251,7 +251,7 @@ def _median(runs: list[dict], key: str) -> float:
 
 def load(ctx: Ctx) -> dict:
     from bench.scenarios import finish
-    from dllm_jax.model.layouts import checkpoint_bytes
+    from dllm_jax.testing.published import checkpoint_bytes
 
     layers = ctx.size("load_layers", 28, 4)
     repeats = ctx.size("load_repeats", 3, 1)
@@ -387,7 +387,7 @@ def _hf_run(path: str, dtype: str, prompts, max_new: int) -> dict:
 def bf16(ctx: Ctx) -> dict:
     from bench.common import identical_fraction
     from bench.scenarios import finish
-    from dllm_jax.model.loader import load_tokenizer
+    from dllm_jax.model.tokenizer import load_tokenizer
 
     layers = ctx.size("bf16_layers", 28, 4)
     n_prompts = ctx.size("bf16_prompts", 20, 8)

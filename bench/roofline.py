@@ -59,7 +59,7 @@ def model_config(shape: dict):
 
 
 def count_params(cfg) -> int:
-    from dllm_jax.model.qwen3 import param_shapes
+    from dllm_jax.model.params import param_shapes
 
     shapes = jax.tree.leaves(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
     return int(sum(int(np.prod(s)) for s in shapes))
@@ -122,7 +122,7 @@ class StepBench:
     """Holds the parameters and one KV pool big enough for the largest case; times denoise steps."""
 
     def __init__(self, cfg, *, max_batch: int, max_prefix: int, dtype, seed: int = 0):
-        from dllm_jax.model.qwen3 import init_params
+        from dllm_jax.model.params import init_params
 
         self.cfg = cfg
         self.dtype = dtype
@@ -175,7 +175,8 @@ def runner_overhead(cfg, params, batch: int, prefix: int, backend: str, *, iters
     the time it waits on the device (call -> result ready): the host overhead of one FDFO step."""
     from bench.common import device_timer
     from dllm_jax.decode.algorithms import make_algorithm
-    from dllm_jax.engine.runner import DecodeRow, ModelRunner
+    from dllm_jax.engine.calls import DecodeRow
+    from dllm_jax.engine.runner import ModelRunner
 
     algo = make_algorithm("LowConfidence", {}, model_config=cfg)
     pages_per_row = prefix // BLOCK + 2
@@ -248,7 +249,8 @@ def scheduler_overhead(cfg, params, *, requests: int = 32, prompt_blocks: int = 
             while sched.has_work():
                 n = len(log)
                 t0 = time.perf_counter()
-                sched.step()
+                for call in sched.schedule():
+                    sched.process(call, runner.run(call))
                 walls.append(time.perf_counter() - t0)
                 calls = log[n:]
                 waits.append(sum(c[3] - c[1] for c in calls))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["Engine", "generate", "__version__"]
+__all__ = ["Engine", "EngineConfig", "generate", "__version__"]
 
 
 def __getattr__(name):
@@ -13,6 +13,10 @@ def __getattr__(name):
         from dllm_jax.engine import Engine
 
         return Engine
+    if name == "EngineConfig":
+        from dllm_jax.engine.config import EngineConfig
+
+        return EngineConfig
     if name == "generate":
         from dllm_jax.engine import generate
 

@@ -1,7 +1,8 @@
 """``dllm-jax``: generate | eval | convert | plan, plus the commands other packages register (serve, bench).
 
-Engine options are shared by every subcommand that builds an engine (:func:`add_engine_arguments`), so
-``dllm-jax serve`` and ``dllm-jax generate`` accept the same flags as ``Engine(...)``.
+Engine options are shared by every subcommand that builds an engine: :func:`add_engine_arguments` makes one flag
+of each field of :class:`dllm_jax.EngineConfig`, so ``dllm-jax generate``, ``eval`` and ``serve`` accept the same
+options as ``Engine(...)``.
 
 ``serve`` and ``bench`` live in their own packages, which depend on this one and never the reverse: they
 register their subcommands through the ``dllm_jax.commands`` entry-point group (``pyproject.toml``), each entry a
@@ -18,56 +19,33 @@ import sys
 COMMANDS_ENTRY_POINT = "dllm_jax.commands"
 
 
-BACKEND_CHOICES = ("auto", "pallas", "xla", "pallas_interpret")
+def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """One flag per field of :class:`dllm_jax.EngineConfig`, generated from the dataclass: ``--`` + the field's
+    name with dashes (plus the field's extra spellings, e.g. ``--tp``), its help, choices and type; a boolean is
+    ``--x / --no-x`` (and ``off_flag``, e.g. ``--disable-prefix-cache``); a dict field takes a JSON object.
+    Every flag defaults to None, "not given": the field's own default applies (:func:`engine_kwargs`), and a
+    command may tell an unset flag from a given one (``serve`` warms up unless ``--no-warmup``)."""
+    import dataclasses
 
+    from dllm_jax.engine.config import EngineConfig, field_kinds
 
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model-path", default=None, help="HF or converted model directory (default: the shipped model)")
-    g.add_argument("--block-size", type=int, default=None, help="block size (default: the model's)")
-    g.add_argument("--algorithm", default="LowConfidence",
-                   help="decoding algorithm: LowConfidence, JointThreshold, JointThresholdInDel, EBSampling, "
-                        "EntropyThreshold")
-    g.add_argument("--algorithm-config", default=None,
-                   help="YAML file or inline JSON object with the algorithm's options, e.g. '{\"threshold\": 0.9}'")
-    g.add_argument("--schedule", choices=("fdfo", "sync"), default="fdfo")
-    g.add_argument("--disable-prefix-cache", action="store_true")
-    g.add_argument("--max-running-requests", type=int, default=None)
-    g.add_argument("--num-kv-pages", type=int, default=None,
-                   help="KV page pool size (default: chosen by --mem-fraction)")
-    g.add_argument("--mem-fraction", type=float, default=None,
-                   help="share of the memory free after the weights are placed that the KV pool takes: of the "
-                        "GPU's free memory (default 0.85), of the available host memory on CPU (default 0.25)")
-    g.add_argument("--sampling-defaults", choices=("model", "none"), default="model",
-                   help="defaults of a request's unset temperature / top_p / top_k: the model's "
-                        "generation_config.json (model), or greedy (none)")
-    g.add_argument("--context-length", type=int, default=None)
-    g.add_argument("--max-prefill-tokens", type=int, default=None)
-    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
-    g.add_argument("--attention-backend", choices=BACKEND_CHOICES, default="auto",
-                   help="auto (Pallas on GPU, XLA elsewhere), pallas (GPU only), xla, pallas_interpret (tests)")
-    g.add_argument("--confidence-backend", choices=BACKEND_CHOICES, default="auto")
-    g.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1)
-    g.add_argument("--profile-dir", default=None, help="write a JAX profiler (perfetto) trace of the first steps here")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile every shape bucket at start (default: on for serve, off otherwise)")
-    g.add_argument("--shape-buckets", default=None, metavar="JSON",
-                   help="padded shapes of the device calls, a JSON object with any of rows, pages, prefill_rows, "
-                        "prefill_blocks (lists of sizes), e.g. '{\"rows\": [8], \"pages\": [16]}' (default: powers of "
-                        "two up to what the limits need)")
-    g.add_argument("--fold-commit-forward", action=argparse.BooleanOptionalAction, default=None,
-                   help="run the forward that writes a resolved block's exact KV inside the next block's first step "
-                        "(default: on a GPU, where the extra row is nearly free; off on CPU, where it is not)")
-    g.add_argument("--max-steps-per-call", type=int, default=None, metavar="N",
-                   help="FDFO: the most denoise steps one device call runs while its batch stays the same "
-                        "(default: until its first row is done; 1: one step per round)")
-    g.add_argument("--chain-blocks", type=int, default=None, metavar="N",
-                   help="FDFO: blocks a request may go on into inside one device call when nothing waits to join "
-                        "(default: 4 without the folded commit forward, 0 with it; 0: off)")
-    g.add_argument("--compilation-cache", default=None, metavar="DIR",
-                   help="persistent compilation cache directory, or 'off' (default: $DLLM_JAX_COMPILATION_CACHE "
-                        "or ~/.cache/dllm-jax/xla)")
+    g = p.add_argument_group("engine", "the fields of dllm_jax.EngineConfig (dllm_jax/engine/config.py)")
+    for f in dataclasses.fields(EngineConfig):
+        m = f.metadata
+        flags = m["flags"] or ("--" + f.name.replace("_", "-"),)
+        kinds, _ = field_kinds(f)
+        text = m["help"] + ("" if f.default is None else f" (default: {f.default})")
+        kw = dict(dest=f.name, default=None, help=text.replace("%", "%%"))
+        if bool in kinds:
+            g.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
+            if m["off_flag"]:
+                g.add_argument(m["off_flag"], dest=f.name, action="store_const", const=False, default=None,
+                               help=f"the same as --no-{flags[-1][2:]}")
+            continue
+        kind = int if int in kinds else float if float in kinds else str  # a dict field: its JSON text
+        g.add_argument(*flags, type=kind, choices=m["choices"], metavar=m["metavar"] or ("JSON" if dict in kinds
+                                                                                          else None), **kw)
+    return g
 
 
 def add_distributed_arguments(p: argparse.ArgumentParser) -> None:
@@ -105,36 +83,35 @@ def init_distributed(args: argparse.Namespace) -> bool:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    config = args.algorithm_config
-    if config is not None and config.lstrip().startswith("{"):
-        config = json.loads(config)
-    kwargs = dict(model_path=args.model_path, block_size=args.block_size, algorithm=args.algorithm,
-                  algorithm_config=config, schedule=args.schedule, enable_prefix_cache=not args.disable_prefix_cache,
-                  dtype=args.dtype, attention_backend=args.attention_backend,
-                  confidence_backend=args.confidence_backend, tensor_parallel_size=args.tensor_parallel_size,
-                  profile_dir=args.profile_dir, seed=args.seed, warmup=bool(args.warmup),
-                  compilation_cache=args.compilation_cache,
-                  sampling_defaults=getattr(args, "sampling_defaults", "model"))
-    buckets = getattr(args, "shape_buckets", None)
-    if buckets is not None:
-        try:
-            buckets = json.loads(buckets)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--shape-buckets: not valid JSON: {e}") from None
-        if not isinstance(buckets, dict):
-            raise ValueError("--shape-buckets: must be a JSON object, e.g. '{\"rows\": [8]}'")
-        kwargs["shape_buckets"] = buckets
-    for name in ("max_running_requests", "num_kv_pages", "mem_fraction", "context_length", "max_prefill_tokens",
-                 "fold_commit_forward", "max_steps_per_call", "chain_blocks"):
-        if getattr(args, name, None) is not None:
-            kwargs[name] = getattr(args, name, None)
+    """The given engine flags as ``Engine(**kwargs)`` keywords, one per field of EngineConfig (a dict field's JSON
+    text parsed; a field that also takes a string, as algorithm_config's YAML path, is JSON only when it starts
+    with ``{``). A flag left unset (None) is left out: the field's default applies."""
+    import dataclasses
+
+    from dllm_jax.engine.config import EngineConfig, field_kinds
+
+    kwargs = {}
+    for f in dataclasses.fields(EngineConfig):
+        value = getattr(args, f.name, None)
+        if value is None:
+            continue
+        kinds, _ = field_kinds(f)
+        if dict in kinds and isinstance(value, str) and (str not in kinds or value.lstrip().startswith("{")):
+            flag = "--" + f.name.replace("_", "-")
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{flag}: not valid JSON: {e}") from None
+            if not isinstance(value, dict):
+                raise ValueError(f"{flag}: must be a JSON object")
+        kwargs[f.name] = value
     return kwargs
 
 
 def build_engine(args: argparse.Namespace):
-    from dllm_jax.engine import Engine
+    from dllm_jax.engine import Engine, EngineConfig
 
-    return Engine(**engine_kwargs(args))
+    return Engine(EngineConfig(**engine_kwargs(args)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,8 +137,8 @@ def cmd_generate(args) -> int:
     from tqdm import tqdm
 
     results = [None] * len(texts)
-    with tqdm(total=len(texts), desc="generating", unit="prompt", disable=not sys.stderr.isatty() and not args.progress,
-              file=sys.stderr) as bar:
+    shown = sys.stderr.isatty() if args.progress is None else args.progress  # --progress: an EngineConfig field
+    with tqdm(total=len(texts), desc="generating", unit="prompt", disable=not shown, file=sys.stderr) as bar:
         reqs = []
         for i, text in enumerate(texts):
             req = engine.make_request(engine.tokenize(text, f"prompt[{i}]"), params)
@@ -206,7 +183,7 @@ def cmd_eval(args) -> int:
 
     result = evaluate(generate_fn, num_prompts=args.num_prompts, block_size=engine.block_size,
                       threshold=args.threshold, tokenizer=engine.tokenizer)
-    result["algorithm"] = args.algorithm
+    result["algorithm"] = engine.algorithm_name
     result["schedule"] = engine.schedule
     print(format_report(result))
     engine.shutdown()
@@ -219,7 +196,8 @@ def cmd_plan(args) -> int:
     return run(args)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dllm-jax`` parser: its own subcommands, then the installed packages' (serve, bench)."""
     from dllm_jax import __version__
 
     p = argparse.ArgumentParser(prog="dllm-jax", description="Serve block-diffusion language models with JAX.")
@@ -234,7 +212,6 @@ def main(argv=None) -> int:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed-sampling", type=int, default=None, help="sampling seed for every request")
     g.add_argument("--json", action="store_true", help="print one JSON result per prompt")
-    g.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
     add_engine_arguments(g)
     g.set_defaults(fn=cmd_generate)
 
@@ -260,8 +237,11 @@ def main(argv=None) -> int:
 
     for register in _plugin_commands():
         register(sub)
+    return p
 
-    args = p.parse_args(argv)
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     configure_logging()
     try:
         return args.fn(args) or 0

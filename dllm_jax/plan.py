@@ -5,11 +5,12 @@ hardware: how many parameter bytes each device holds, how many bytes one KV page
 layers, K and V) costs each device, and how many pages -- hence tokens of context across all running requests --
 fit in an 80 GB and a 141 GB device once the weights and a stated activation reserve are taken out.
 
-Why it can be trusted: nothing here re-derives the layout. The parameter tree comes from the model's own
-:func:`~dllm_jax.model.qwen3.init_params` under :func:`jax.eval_shape` (shapes and storage dtypes, no memory), and
-each leaf's split comes from :mod:`dllm_jax.sharding` (the same ``RULES`` table and divisibility fallback the engine
-shards with), applied on a virtual mesh (:class:`jax.sharding.AbstractMesh`: any size, no devices needed). A test
-checks these numbers against the per-device bytes of a small model the engine really shards over 4 CPU devices.
+Why it can be trusted: nothing here re-derives the layout. The parameter tree comes from the parameter table the
+model, the loader and the sharding all derive from (:func:`dllm_jax.model.params.abstract_params`: shapes and
+storage dtypes, no memory), and each leaf's split comes from :mod:`dllm_jax.sharding` (the same ``RULES`` table and
+divisibility fallback the engine shards with), applied on a virtual mesh (:class:`jax.sharding.AbstractMesh`: any
+size, no devices needed). A test checks these numbers against the per-device bytes of a small model the engine
+really shards over 4 CPU devices.
 
 Memory arithmetic: ``pages = floor((device - params_per_device - reserve) / kv_page_bytes_per_device)``; the
 engine reserves page 0 as its trash page, so ``tokens = (pages - 1) * B``. Device sizes are decimal GB (80e9 and
@@ -115,12 +116,11 @@ def virtual_mesh(tp: int, ep: int = 1):
 
 
 def abstract_params(cfg: ModelConfig, dtype) -> dict:
-    """The parameter tree as ``ShapeDtypeStruct`` leaves, from the model's own initialiser (nothing allocated)."""
-    import jax
+    """The parameter tree as ``ShapeDtypeStruct`` leaves, from the parameter table of the model's family
+    (:func:`dllm_jax.model.params.param_table`; nothing allocated)."""
+    from dllm_jax.model.params import abstract_params
 
-    from dllm_jax.model.qwen3 import init_params
-
-    return jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0), dtype=dtype))
+    return abstract_params(cfg, dtype)
 
 
 def _dtype(dtype):
@@ -148,12 +148,15 @@ def param_bytes_per_device(params, cfg: ModelConfig, mesh) -> int:
 
 
 def kv_page_bytes_per_device(cfg: ModelConfig, block_size: int, dtype, mesh) -> int:
-    """One KV page (K and V of every layer for one block) on one device: the pool's spec splits KV heads over
-    ``tp`` when they divide, else every device holds all of them."""
+    """One KV page (K and V of every layer for one block) on one device, from the model family's KV layout per
+    layer: the pool's spec splits KV heads over ``tp`` when they divide, else every device holds all of them."""
+    from dllm_jax.model.family import family_of
     from dllm_jax.sharding import kv_pool_spec
 
     spec = kv_pool_spec(cfg, mesh, 1, block_size)
-    return 2 * cfg.num_layers * _shard_bytes((cfg.num_kv_heads, 1, block_size, cfg.head_dim), dtype, spec, mesh)
+    return sum(2 * _shard_bytes((layer.kv_heads, 1, block_size, layer.head_dim),
+                                dtype if layer.dtype is None else layer.dtype, spec, mesh)
+               for layer in family_of(cfg).kv_layout(cfg))
 
 
 def make_plan(name: str, cfg: ModelConfig, *, tp: int = 1, ep: int = 1, dtype: str = "bfloat16",

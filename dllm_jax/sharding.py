@@ -1,9 +1,10 @@
 """Tensor and expert parallelism over a JAX device mesh: one table from logical axis names to mesh axes.
 
-Every parameter (and the KV page pool) names its dimensions with logical axes; :data:`RULES` maps each logical
-axis to a mesh axis (or None: replicated). Changing the layout is editing that table. A logical axis is only
-sharded when its size divides evenly (heads are split by whole heads; a model with 4 KV heads on TP = 8 keeps
-K/V replicated while q heads and the MLP still split), so any model runs on any mesh, correctly.
+Every parameter (its row of the parameter table, :mod:`dllm_jax.model.params`) and the KV page pool name their
+dimensions with logical axes; :data:`RULES` maps each logical axis to a mesh axis (or None: replicated). Changing
+the layout is editing that table. A logical axis is only sharded when its size divides evenly (heads are split by
+whole heads; a model with 4 KV heads on TP = 8 keeps K/V replicated while q heads and the MLP still split), so any
+model runs on any mesh, correctly.
 
 The mesh has two axes, ``("expert", "tp")``: dense models use only ``tp``; MoE models split their experts over
 ``expert`` and each expert's intermediate dimension over ``tp``. XLA's SPMD partitioner (GSPMD) inserts the
@@ -22,6 +23,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dllm_jax.config import ModelConfig
+from dllm_jax.model.params import PARAM_AXES, axes_key
 
 MESH_AXES = ("expert", "tp")
 
@@ -38,35 +40,8 @@ RULES: dict[str, str | None] = {
     "router": None,
 }
 
-# logical axes of every parameter, by key (keys under an ``moe`` sub-dict are prefixed ``moe.``).
-PARAM_AXES: dict[str, tuple] = {
-    "embed": ("vocab", "hidden"),
-    "lm_head": ("hidden", "vocab"),
-    "final_norm": ("hidden",),
-    "attn_norm": ("hidden",),
-    "mlp_norm": ("hidden",),
-    "q": ("hidden", "q_heads"),
-    "k": ("hidden", "kv_heads"),
-    "v": ("hidden", "kv_heads"),
-    "o": ("q_heads", "hidden"),
-    "q_bias": ("q_heads",),
-    "k_bias": ("kv_heads",),
-    "v_bias": ("kv_heads",),
-    "o_bias": ("hidden",),
-    "q_norm": ("head_dim",),
-    "k_norm": ("head_dim",),
-    "gate": ("hidden", "mlp"),
-    "up": ("hidden", "mlp"),
-    "down": ("mlp", "hidden"),
-    "moe.router": ("hidden", "router"),
-    "moe.expert_bias": ("router",),
-    "moe.gate": ("experts", "hidden", "expert_mlp"),
-    "moe.up": ("experts", "hidden", "expert_mlp"),
-    "moe.down": ("experts", "expert_mlp", "hidden"),
-    "moe.shared_gate": ("hidden", "mlp"),
-    "moe.shared_up": ("hidden", "mlp"),
-    "moe.shared_down": ("mlp", "hidden"),
-}
+# The logical axes of every parameter come from the parameter table (dllm_jax.model.params), keyed by leaf name
+# (``moe.``-prefixed inside a sparse layer's ``moe`` dict); only the pool's are here.
 KV_POOL_AXES = ("kv_heads", None, None, None)  # [Hkv, pages, B, D]
 
 
@@ -104,10 +79,10 @@ def spec_for(axes: tuple, shape: tuple, cfg: ModelConfig, mesh: Mesh) -> P:
 def param_specs(params, cfg: ModelConfig, mesh: Mesh):
     """A pytree of PartitionSpecs matching ``params``."""
     def spec(path, leaf):
-        keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
-        name = keys[-1] if "moe" not in keys else "moe." + keys[-1]
+        name = axes_key(path)
         if name not in PARAM_AXES:
-            raise KeyError(f"no sharding rule for parameter {'/'.join(keys)}: add it to PARAM_AXES")
+            raise KeyError(f"no sharding rule for parameter {jax.tree_util.keystr(path)}: add it to the parameter "
+                           f"table (dllm_jax.model.params)")
         return spec_for(PARAM_AXES[name], leaf.shape, cfg, mesh)
     return jax.tree_util.tree_map_with_path(spec, params)
 

@@ -6,9 +6,11 @@
   vocabulary. ``get_confidence_fn(backend)``; ``merge_confidence_triples`` for vocab shards.
 
 Backends: ``"pallas"`` (GPU), ``"pallas_interpret"`` (the kernel bodies as plain XLA: CPU tests),
-``"xla"`` (the reference), ``"auto"`` (Pallas on GPU, XLA elsewhere).
+``"xla"`` (the reference), ``"auto"`` (Pallas on GPU, XLA elsewhere); :func:`resolve_backend` is the one resolver
+(the engine's ``attention_backend`` / ``confidence_backend`` options use it too).
 """
 
+from pallas_kernels._common import BACKENDS, backends_for_platform, next_pow2, prev_pow2, resolve_backend
 from pallas_kernels.confidence import (
     confidence_stats,
     confidence_stats_reference,
@@ -24,6 +26,11 @@ from pallas_kernels.paged_block_attention import (
 )
 
 __all__ = [
+    "BACKENDS",
+    "backends_for_platform",
+    "next_pow2",
+    "prev_pow2",
+    "resolve_backend",
     "confidence_stats",
     "confidence_stats_reference",
     "confidence_triples",

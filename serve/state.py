@@ -245,7 +245,7 @@ class Batch:
 
     def on_event_for(self, index: int) -> Callable:
         """The request's ``on_event`` (runs on the engine's thread)."""
-        from dllm_jax.engine.engine import ChunkSink
+        from dllm_jax.engine.output import ChunkSink
 
         engine, metrics = self.server.engine, self.server.metrics
         sink = ChunkSink(engine, put=lambda chunk: self._post((index, chunk))) if self.stream else None

@@ -85,8 +85,8 @@ def build_tiny_model(path, *, block_size=4, seed=0, std=0.5, vocab=64, layers=2,
     """A random Qwen3 small enough to compile in about a second; ``std`` 0.5 gives peaky distributions, so
     LowConfidence commits several tokens per step and ties are rare."""
     from dllm_jax.config import ModelConfig
-    from dllm_jax.model.loader import save_hf
-    from dllm_jax.model.qwen3 import init_params
+    from dllm_jax.model.converted import save_hf
+    from dllm_jax.model.params import init_params
 
     cfg = ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=layers, num_heads=4,
                       num_kv_heads=kv_heads, head_dim=8, max_position_embeddings=max_pos,

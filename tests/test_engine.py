@@ -452,13 +452,13 @@ def _random_traffic(engine, rng, batches, max_prompt):
 ], ids=["small", "wide"])
 def test_no_recompilation_after_warmup(tiny_model, make_engine, kw, batches, max_prompt):
     """The default buckets: warm-up compiles every shape mixed traffic can reach, nothing compiles after it."""
-    from dllm_jax.engine.runner import ModelRunner
+    from dllm_jax.engine.compilation import compiled_executables
 
     engine = make_engine(tiny_model, **kw)
     engine.warmup()
-    before = ModelRunner.compiled_executables()
+    before = compiled_executables()
     _random_traffic(engine, np.random.default_rng(0), batches, max_prompt)
-    assert ModelRunner.compiled_executables() == before
+    assert compiled_executables() == before
 
 
 def test_custom_buckets_compile_only_themselves(tiny_model, make_engine):

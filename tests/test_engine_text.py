@@ -13,8 +13,8 @@ def chat_model(tmp_path_factory):
     import jax
 
     from dllm_jax.config import ModelConfig
-    from dllm_jax.model.loader import save_hf
-    from dllm_jax.model.qwen3 import init_params
+    from dllm_jax.model.converted import save_hf
+    from dllm_jax.model.params import init_params
     from dllm_jax.train import tokenizer as tok_lib
 
     tok = tok_lib.train_tokenizer()
@@ -52,7 +52,7 @@ def test_detokenizing_equals_the_tokenizers_decode(chat_model, make_engine):
     for _ in range(300):
         ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(0, 40))]
         for skip in (True, False):
-            assert engine._decode(ids, skip) == tok.decode(ids, skip_special_tokens=skip)
+            assert engine.output.decode(ids, skip) == tok.decode(ids, skip_special_tokens=skip)
 
 
 def test_stop_string_across_a_block_boundary(make_engine):

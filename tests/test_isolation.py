@@ -25,9 +25,9 @@ LONG_PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(2, 30)), [11, 12, 13]]
 
 
 def _submit(engine, ids, params, on_event=None):
-    from dllm_jax.engine.engine import _Watcher
+    from dllm_jax.engine.output import FinishWatcher
 
-    watcher = _Watcher()
+    watcher = FinishWatcher()
 
     def event(req, ev):
         if on_event is not None:
@@ -170,14 +170,14 @@ def test_generated_extreme_values_hurt_nobody(tiny_model, make_engine, long_refe
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("schedule", ["fdfo", "sync"])
 def test_plain_requests_are_served_while_a_variant_compiles(tiny_model, make_engine, long_reference, schedule):
-    from dllm_jax.engine.runner import ModelRunner
+    from dllm_jax.engine.compilation import compiled_executables
 
     logprob_params = {**LONG, "return_logprob": True}
     engine = make_engine(tiny_model, schedule=schedule, **ENGINE_KW)
     engine.warmup()  # the plain step only
-    runner = engine.runner
+    compiler = engine.runner.compiler
     release, started = threading.Event(), threading.Event()
-    compile_key = runner._compile_key
+    compile_key = compiler._compile
 
     compiled_after_background = []
 
@@ -185,9 +185,9 @@ def test_plain_requests_are_served_while_a_variant_compiles(tiny_model, make_eng
         started.set()
         assert release.wait(120)
         compile_key(key)
-        compiled_after_background.append(ModelRunner.compiled_executables())
+        compiled_after_background.append(compiled_executables())
 
-    runner._compile_key = held_compile
+    compiler._compile = held_compile
     engine.start()
     variant = _submit(engine, [4, 5, 6], logprob_params)
     assert started.wait(60)
@@ -197,7 +197,7 @@ def test_plain_requests_are_served_while_a_variant_compiles(tiny_model, make_eng
     assert [r.output_ids for r, _ in long] == long_reference
     release.set()
     _wait([variant])
-    assert ModelRunner.compiled_executables() == compiled_after_background[0]  # the call found the executable
+    assert compiled_executables() == compiled_after_background[0]  # the call found the executable
     result = engine.result(variant[0])
     reference = make_engine(tiny_model, schedule=schedule, **ENGINE_KW).generate(
         input_ids=[4, 5, 6], sampling_params=logprob_params)
@@ -212,7 +212,7 @@ def test_an_engine_without_warmup_compiles_in_line(tiny_model, make_engine):
     lazily compiled engine, e.g. ``--no-warmup``)."""
     engine = make_engine(tiny_model, **ENGINE_KW)
     engine.generate(input_ids=[4, 5, 6], sampling_params={**LONG, "return_logprob": True})
-    assert engine.runner._compile_pool is None
+    assert engine.runner.compiler._pool is None
 
 
 def test_a_call_that_loses_the_kv_pool_fails_the_running_requests_only(tiny_model, make_engine, monkeypatch,

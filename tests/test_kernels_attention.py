@@ -133,7 +133,8 @@ def test_drop_in_attention_fn_for_the_model():
     """The kernel in ``forward_chunk``'s ``attention_fn`` slot (a 2-block chunk over ragged prefixes)
     gives the hidden states of the XLA path."""
     from dllm_jax.config import ModelConfig
-    from dllm_jax.model.qwen3 import forward_chunk, param_shapes
+    from dllm_jax.model.params import param_shapes
+    from dllm_jax.model.qwen3 import forward_chunk
 
     cfg = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4,
                       num_kv_heads=2, head_dim=16, tie_word_embeddings=True)

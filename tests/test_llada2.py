@@ -11,7 +11,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from dllm_jax.config import ConfigError, ModelConfig
-from dllm_jax.model.loader import CheckpointError, convert_to_orbax, load_model, save_hf
+from dllm_jax.model.converted import save_hf
+from dllm_jax.model.loader import CheckpointError, convert_checkpoint, load_model
 from dllm_jax.model.moe import moe_mlp, route, swiglu
 from dllm_jax.model.qwen3 import block_causal_mask, forward_full, rope
 from dllm_jax.model.templates import LLADA2_CHAT_TEMPLATE, default_chat_template, render_llada2_chat
@@ -258,7 +259,7 @@ def test_save_hf_round_trip_and_bf16_orbax(tmp_path):
     assert a.config == b.config
     for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)  # head re-normalised
-    convert_to_orbax(str(path), str(tmp_path / "orbax"), dtype="bfloat16")
+    convert_checkpoint(str(path), str(tmp_path / "orbax"), dtype="bfloat16")
     c, d = load_model(tmp_path / "orbax", dtype="bfloat16"), load_model(path, dtype="bfloat16")
     assert c.params["layers"][1]["moe"]["router"].dtype == jnp.float32
     assert c.params["layers"][1]["moe"]["expert_bias"].dtype == jnp.float32

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from dllm_jax.engine.memory import plan_kv_pool
-from dllm_jax.model import layouts
+from dllm_jax.testing import published
 
 CPU = types.SimpleNamespace(platform="cpu")
 MIB = 1 << 20
@@ -98,7 +98,8 @@ def test_bf16_kv_pool_as_bits_equals_a_bf16_pool():
     """XLA:CPU copies a whole bf16 pool to scatter into it; the pool is kept as uint16 bits instead. Same values,
     same hidden states as a real bf16 pool."""
     from dllm_jax.config import ModelConfig
-    from dllm_jax.model.qwen3 import forward_chunk, init_params, kv_storage_dtype
+    from dllm_jax.model.params import init_params
+    from dllm_jax.model.qwen3 import forward_chunk, kv_storage_dtype
     from pallas_kernels.paged_block_attention import paged_block_attention_reference
 
     assert kv_storage_dtype("bfloat16", "cpu") == np.uint16
@@ -145,7 +146,7 @@ _PROBE = r"""
 import json, sys, jax
 jax.devices()
 from dllm_jax.config import ModelConfig
-from dllm_jax.model.loader import load_safetensors_params
+from dllm_jax.model.placement import load_safetensors_params
 def status():
     lines = [l for l in open('/proc/self/status') if l.startswith(('VmRSS', 'VmHWM'))]
     return {l.split(':')[0]: int(l.split()[1]) * 1024 for l in lines}
@@ -169,7 +170,7 @@ def test_streaming_load_holds_one_copy_of_the_weights(tmp_path):
     RSS growing by about the checkpoint's bytes: no float32 copy, no second copy, no shard kept mapped."""
     dims = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
                 num_key_value_heads=4, head_dim=64, vocab_size=16384, tie_word_embeddings=False)
-    pub = layouts.write_published(str(tmp_path / "m"), "sdar", dims=dims, max_shard_bytes=40 * MIB)
+    pub = published.write_published(str(tmp_path / "m"), "sdar", dims=dims, max_shard_bytes=40 * MIB)
     ckpt = pub.checkpoint_bytes
     assert len(pub.shards) >= 3 and ckpt > 90 * MIB
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -190,7 +191,7 @@ def test_weights_never_alias_the_mapped_file(tmp_path):
     a running engine would change (or, truncated, crash) it."""
     import mmap
 
-    from dllm_jax.model.loader import _owned
+    from dllm_jax.model.placement import _owned
 
     path = tmp_path / "f.bin"
     path.write_bytes(np.arange(1 << 16, dtype=np.uint16).tobytes())

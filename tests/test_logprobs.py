@@ -172,7 +172,7 @@ def stream(engine, prompt, params):
 
 def streams(engine, prompts, params_list):
     """Several provisional streams decoded together (one batch: one compiled variant serves them all)."""
-    from dllm_jax.engine.engine import ChunkSink
+    from dllm_jax.engine.output import ChunkSink
 
     sinks = [ChunkSink(engine) for _ in prompts]
     reqs = [engine.make_request(list(p), params, on_event=sink, provisional=True)
@@ -341,7 +341,7 @@ def test_sharded_logprob_steps_hold_no_full_logits(tmp_path, make_engine):
 
     import dllm_jax.engine.runner as runner_mod
     from conftest import build_tiny_model
-    from dllm_jax.engine.runner import DecodeRow, PenaltyRow
+    from dllm_jax.engine.calls import DecodeRow, PenaltyRow
 
     vocab = 96  # distinct from every other dimension of the model
     engine = make_engine(build_tiny_model(tmp_path / "m96", vocab=vocab), tensor_parallel_size=4, **ENGINE_KW)

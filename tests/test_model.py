@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from dllm_jax.config import ConfigError, ModelConfig
-from dllm_jax.model.loader import CheckpointError, convert_to_orbax, load_model
+from dllm_jax.model.loader import CheckpointError, convert_checkpoint, load_model
 from dllm_jax.model import qwen3
 from dllm_jax.model.qwen3 import block_causal_mask, forward_chunk
 from pallas_kernels.paged_block_attention import paged_block_attention_reference
@@ -123,7 +123,7 @@ def test_incremental_paged_path_equals_full_forward(tmp_path, block):
 def test_orbax_round_trip_is_bit_identical(tmp_path):
     _, path = _hf_model(tmp_path, tie=False)
     out = tmp_path / "orbax"
-    convert_to_orbax(str(path), str(out))
+    convert_checkpoint(str(path), str(out))
     a = load_model(path)
     b = load_model(out)
     assert a.config == b.config.replace() or a.config.replace(architecture=b.config.architecture) == b.config

@@ -12,9 +12,11 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 from dllm_jax.config import ConfigError, ModelConfig
-from dllm_jax.model.loader import CheckpointError, load_model, save_hf
+from dllm_jax.model.converted import save_hf
+from dllm_jax.model.loader import CheckpointError, load_model
 from dllm_jax.model.moe import moe_mlp, route
-from dllm_jax.model.qwen3 import block_causal_mask, forward_chunk, forward_full, init_params, param_shapes
+from dllm_jax.model.params import init_params, param_shapes
+from dllm_jax.model.qwen3 import block_causal_mask, forward_chunk, forward_full
 from pallas_kernels.paged_block_attention import paged_block_attention_reference
 
 MASK_ID = 95

@@ -7,8 +7,8 @@ import pytest
 
 from conftest import ENGINE_KW
 from dllm_jax.config import ModelConfig
-from dllm_jax.model.loader import save_hf
-from dllm_jax.model.qwen3 import init_params
+from dllm_jax.model.converted import save_hf
+from dllm_jax.model.params import init_params
 from oracle import Oracle
 
 PARAMS = {"max_new_tokens": 9, "ignore_eos": True}

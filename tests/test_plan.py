@@ -11,7 +11,7 @@ from dllm_jax import plan
 from dllm_jax.config import ModelConfig
 from dllm_jax.decode.algorithms import make_algorithm
 from dllm_jax.engine.runner import ModelRunner
-from dllm_jax.model.qwen3 import param_dtypes, param_shapes
+from dllm_jax.model.params import param_dtypes, param_shapes
 from dllm_jax.sharding import make_mesh
 from test_llada2 import BAILING
 

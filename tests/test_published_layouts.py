@@ -1,5 +1,5 @@
 """Checkpoint directories in the layouts SDAR / SDAR-MoE / LLaDA2 are published in (issue 17), written by
-:func:`dllm_jax.model.layouts.write_published` at test size: the published config keys (remote-code ``auto_map``,
+:func:`dllm_jax.testing.published.write_published` at test size: the published config keys (remote-code ``auto_map``,
 ``attn_implementation: "flex_attention"``, ``fuse_cross_entropy``, ...), bf16 weights in sharded safetensors with
 an index, SDAR's tokenizer as vocab.json / merges.txt / tokenizer_config.json / added_tokens.json only, a
 ``generation_config.json`` with an EOS list and sampling defaults, and ``.py`` files that raise on import.
@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 
 from conftest import assert_pages_back
-from dllm_jax.model import layouts
-from dllm_jax.model.loader import generation_defaults, load_tokenizer
+from dllm_jax.model.generation import generation_defaults
+from dllm_jax.model.tokenizer import load_tokenizer
+from dllm_jax.testing import published
+from dllm_jax.testing.tokenizer_files import LLADA2_MASK_TOKEN, write_fast_tokenizer
 from oracle import Oracle
 
 # One fixed bucket set for every engine here (chat prompts of ~40-60 tokens, answers of 12).
@@ -54,7 +56,7 @@ def _engine(path, **kw):
 
 @pytest.fixture(scope="module")
 def sdar(tmp_path_factory):
-    pub = layouts.write_published(str(tmp_path_factory.mktemp("sdar") / "SDAR-tiny-Chat"), "sdar", std=0.5,
+    pub = published.write_published(str(tmp_path_factory.mktemp("sdar") / "SDAR-tiny-Chat"), "sdar", std=0.5,
                                   embed_std=0.5, max_shard_bytes=150_000)
     engine = _engine(pub.path)
     yield pub, engine
@@ -140,18 +142,18 @@ def test_tokenizer_class_is_chosen_without_auto_tokenizer(sdar, tmp_path, monkey
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
     tok = load_tokenizer(pub.path)
     assert type(tok).__name__ == "Qwen2Tokenizer" and tok.convert_tokens_to_ids("<|MASK|>") == pub.mask_token_id
-    fast = layouts.write_fast_tokenizer(str(tmp_path))  # LLaDA2's: tokenizer.json, a remote BailingTokenizer class
+    fast = write_fast_tokenizer(str(tmp_path))  # LLaDA2's: tokenizer.json, a remote BailingTokenizer class
     tok = load_tokenizer(str(tmp_path))
-    assert tok.mask_token_id == fast[layouts.LLADA2_MASK_TOKEN]
+    assert tok.mask_token_id == fast[LLADA2_MASK_TOKEN]
     _no_remote_code(pub.path)
 
 
 def test_converted_published_directory_keeps_its_tokenizer(sdar, tmp_path):
-    from dllm_jax.model.loader import convert_to_orbax, load_model
+    from dllm_jax.model.loader import convert_checkpoint, load_model
 
     pub, engine = sdar
     out = tmp_path / "converted"
-    convert_to_orbax(pub.path, str(out), dtype="bfloat16")
+    convert_checkpoint(pub.path, str(out), dtype="bfloat16")
     assert not any(f.endswith(".py") for f in os.listdir(out))  # remote code is never carried over
     m = load_model(str(out), dtype="bfloat16")
     assert m.config.mask_token_id == engine.mask_token_id and m.config.eos_token_ids == engine.eos_token_ids
@@ -163,13 +165,13 @@ def test_llada2_published_layout_decides_as_the_numpy_reference(tmp_path):
 
     from dllm_jax.model.templates import render_llada2_chat
 
-    pub = layouts.write_published(str(tmp_path / "LLaDA2-tiny"), "llada2", std=0.5, embed_std=0.5,
+    pub = published.write_published(str(tmp_path / "LLaDA2-tiny"), "llada2", std=0.5, embed_std=0.5,
                                   max_shard_bytes=150_000, keep_tensors=True)
     engine = _engine(pub.path, block_size=4)
     try:
         _no_remote_code(pub.path)
         assert "mask_token_id" not in pub.config  # it comes from the tokenizer
-        assert engine.mask_token_id == pub.token_ids[layouts.LLADA2_MASK_TOKEN]
+        assert engine.mask_token_id == pub.token_ids[LLADA2_MASK_TOKEN]
         assert engine.eos_token_ids == pub.eos_token_ids
         assert engine.apply_chat_template(CHAT) == render_llada2_chat(CHAT)
         prompts = [[5, 6, 7, 8, 9, 10], [3, 4], engine.tokenize("hello world, one two")]
@@ -185,7 +187,7 @@ def test_llada2_published_layout_decides_as_the_numpy_reference(tmp_path):
 
 @pytest.mark.slow
 def test_sdar_moe_published_layout_decodes_like_transformers(tmp_path):
-    pub = layouts.write_published(str(tmp_path / "SDAR-MoE-tiny"), "sdar_moe", std=0.5, embed_std=0.5,
+    pub = published.write_published(str(tmp_path / "SDAR-MoE-tiny"), "sdar_moe", std=0.5, embed_std=0.5,
                                   max_shard_bytes=150_000)
     engine = _engine(pub.path)
     try:

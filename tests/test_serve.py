@@ -40,7 +40,7 @@ def build_chat_model(path: str) -> str:
     """A small random SDAR model with the project's tokenizer and chat template (when the shipped one is absent)."""
     import jax
 
-    from dllm_jax.model.qwen3 import init_params
+    from dllm_jax.model.params import init_params
     from dllm_jax.train import tokenizer as tok_lib
     from dllm_jax.train.train import TrainConfig, export_hf
 

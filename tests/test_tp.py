@@ -27,8 +27,8 @@ def models(tmp_path_factory):
 
 def _odd_model(path):
     from dllm_jax.config import ModelConfig
-    from dllm_jax.model.loader import save_hf
-    from dllm_jax.model.qwen3 import init_params
+    from dllm_jax.model.converted import save_hf
+    from dllm_jax.model.params import init_params
 
     cfg = ModelConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=72, num_layers=2, num_heads=6,
                       num_kv_heads=3, head_dim=8, max_position_embeddings=256, mask_token_id=63, block_size=4,
@@ -81,7 +81,7 @@ def test_replicated_when_heads_do_not_divide(models, make_engine):
 
 def test_full_logits_never_materialised(models, make_engine):
     """Compile a TP=4 denoise step and check its HLO holds no [positions, full vocab] buffer."""
-    from dllm_jax.engine.runner import DecodeRow
+    from dllm_jax.engine.calls import DecodeRow
 
     engine = make_engine(models["even"], tensor_parallel_size=4, **ENGINE_KW)
     runner = engine.runner

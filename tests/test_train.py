@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.model.qwen3 import block_causal_mask, forward_full, init_params
+from dllm_jax.model.params import init_params
+from dllm_jax.model.qwen3 import block_causal_mask, forward_full
 from dllm_jax.train import objective
 
 MASK = 3

@@ -1,7 +1,10 @@
 """Choice of attention / confidence implementation, and their tensor-parallel forms.
 
-``auto`` resolves to ``pallas`` on a GPU backend and ``xla`` otherwise; ``pallas_interpret`` runs the Pallas
-kernels in interpret mode (CPU tests of the wiring). The XLA versions are the kernels' references.
+Names resolve with the one resolver, :func:`pallas_kernels.resolve_backend` (re-exported here): ``auto`` is
+``pallas`` on a GPU backend and ``xla`` otherwise; ``pallas_interpret`` runs the Pallas kernels in interpret mode
+(CPU tests of the wiring). ``xla`` means no Pallas: attention is :func:`dllm_jax.decode.xla_attention.
+paged_block_attention_xla` (the kernels' reference function, computed over live prefix tiles only), confidence is
+the reference :func:`pallas_kernels.confidence.confidence_stats_reference`.
 
 With a device mesh: attention runs per KV-head shard (Pallas under ``shard_map``; the XLA path through GSPMD's
 sharding propagation), and confidence selection runs per vocabulary shard, each shard reducing its slice of
@@ -17,31 +20,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels import BACKENDS, backends_for_platform, resolve_backend  # noqa: F401 (the one resolver)
 from pallas_kernels.confidence import (confidence_stats_reference, finalize_confidence_triple,
                                        merge_confidence_triples)
-from pallas_kernels.paged_block_attention import paged_block_attention_reference
-
-BACKENDS = ("auto", "pallas", "xla", "pallas_interpret")
-
-
-def backends_for_platform(platform: str | None = None) -> tuple[str, ...]:
-    """The backend names that can run on ``platform`` (default: JAX's default backend)."""
-    platform = platform or jax.default_backend()
-    return BACKENDS if platform == "gpu" else tuple(b for b in BACKENDS if b != "pallas")
-
-
-def resolve_backend(name: str, field: str) -> str:
-    """``auto`` -> ``pallas`` on a GPU, ``xla`` elsewhere. A backend the platform cannot run (the compiled Pallas
-    kernels are Triton, GPU only) is refused here, at construction, not deep inside the first step."""
-    if name not in BACKENDS:
-        raise ValueError(f"{field}: unknown backend {name!r}; valid: {', '.join(BACKENDS)}")
-    platform = jax.default_backend()
-    if name not in backends_for_platform(platform):
-        raise ValueError(f"{field}: {name!r} needs a GPU (the compiled Pallas kernels run on CUDA) but JAX runs on "
-                         f"{platform}; choose one of: {', '.join(backends_for_platform(platform))}")
-    if name == "auto":
-        return "pallas" if platform == "gpu" else "xla"
-    return name
 
 
 def attention_function(backend: str, mesh=None, cfg=None):

@@ -25,27 +25,13 @@ row of the batch has a penalty (:class:`dllm_jax.decode.step.StepSpec` ``penalti
 
 from __future__ import annotations
 
-import dataclasses
-
-import jax
 import jax.numpy as jnp
 
+from dllm_jax.decode import rows as row_schema
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Penalties:
-    """One padded batch of penalty inputs. Token tables are padded with -1 (ignored)."""
 
-    history: jax.Array  # [R, L] int32: the row's real tokens (prompt + committed outputs), -1 beyond
-    prompt_len: jax.Array  # [R] int32: history[:prompt_len] is the prompt
-    presence: jax.Array  # [R] f32
-    frequency: jax.Array  # [R] f32
-    repetition: jax.Array  # [R] f32 (1 = off)
-    min_new: jax.Array  # [R] int32
-    bias_ids: jax.Array  # [R, NB] int32
-    bias: jax.Array  # [R, NB] f32
-    stop_ids: jax.Array  # [R, NS] int32: EOS and stop ids, masked while the output index < min_new
-    active: jax.Array  # [R] bool: rows with any non-neutral value (the others keep the plain figures)
+# One padded batch of penalty inputs: its fields are declared once, in dllm_jax/decode/rows.py (PENALTY_INPUTS).
+Penalties = row_schema.Penalties
 
 
 def _dense(ids, values, vocab: int, dtype):

@@ -29,16 +29,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dllm_jax.config import ModelConfig
 from dllm_jax.decode.algorithms import Algorithm, Candidates, State
 from dllm_jax.decode.algorithms import entropy as entropy_of
 from dllm_jax.decode import logprobs as lp
 from dllm_jax.decode.backends import attention_function, confidence_stats
+from dllm_jax.decode import rows
 from dllm_jax.decode.packing import RowLayout
-from dllm_jax.decode.penalties import Penalties, apply_penalties
-from dllm_jax.model.qwen3 import forward_chunk, forward_chunk_kv, forward_chunk_rest, logits_from_hidden
+from dllm_jax.decode.penalties import apply_penalties
+from dllm_jax.model.family import ModelFamily, family_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,29 +89,9 @@ class StepSpec:
         return self.algorithm.max_steps(self.block_size) + 2
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class DenoiseBatch:
-    """One padded batch of rows (requests), each holding its current block."""
-
-    tokens: jax.Array  # [R, B] int32
-    immutable: jax.Array  # [R, B] bool: prompt / committed positions (never rewritten)
-    page_table: jax.Array  # [R, W] int32: the row's prefix pages (trash page 0 beyond)
-    prefix_len: jax.Array  # [R] int32: cached prefix tokens = absolute offset of the block
-    write_page: jax.Array  # [R] int32: the page the block's K/V goes to (0 for padding rows)
-    steps_taken: jax.Array  # [R] int32: forwards already spent on this block (FDFO carries it)
-    temperature: jax.Array  # [R] f32 (0 = greedy)
-    top_k: jax.Array  # [R] int32 (<= 0: off)
-    top_p: jax.Array  # [R] f32 (1 = off)
-    seed: jax.Array  # [R] uint32: per-request sampling seed
-    rng_step: jax.Array  # [R] int32: position of this step in the request's generation (folded into the key)
-    penalties: Penalties | None = None  # only in the penalties variant
-    loop_cap: jax.Array | None = None  # [] int32: most steps of a ``first_done`` call
-    # With ``spec.chain``: pages for the row's next blocks, how many of them it may start, and the token ids that
-    # end its generation (-1 padded): a block holding one of them is the row's last.
-    chain_pages: jax.Array | None = None  # [R, C] int32
-    chain_left: jax.Array | None = None  # [R] int32
-    stop_ids: jax.Array | None = None  # [R, S] int32
+# One padded batch of rows (requests), each holding its current block: its fields are declared once, in
+# dllm_jax/decode/rows.py (INPUTS, CHAIN_INPUTS; ``penalties`` in that variant; ``loop_cap`` a scalar).
+DenoiseBatch = rows.DenoiseBatch
 
 
 @jax.tree_util.register_dataclass
@@ -133,22 +113,28 @@ class DenoiseResult:
 
 
 RNG_STEPS_PER_BLOCK = 4096  # a step's sampling key folds in block index x this + step in block (see the scheduler)
-CHAIN_STOP_IDS = 8  # width of the stop-id table of a chaining row (a request with more stop ids does not chain)
+CHAIN_STOP_IDS = rows.CHAIN_STOP_IDS
 
 
 def _attention(spec: StepSpec):
     return attention_function(spec.attention_backend, spec.mesh, spec.model)
 
 
+def _family(spec: StepSpec) -> ModelFamily:
+    """The model's family, whose device functions the step traces (a Python lookup at trace time: no jit argument,
+    the same program as calling them directly)."""
+    return family_of(spec.model)
+
+
 def _model_forward(params, kv_pages, tokens, page_table, prefix_len, write_pages, spec: StepSpec):
-    return forward_chunk(params, spec.model, tokens, kv_pages, page_table, prefix_len, write_pages,
-                         block_size=spec.block_size, attention_fn=_attention(spec))
+    return _family(spec).forward_chunk(params, spec.model, tokens, kv_pages, page_table, prefix_len, write_pages,
+                                       block_size=spec.block_size, attention_fn=_attention(spec))
 
 
 def _model_forward_kv(params, kv_pages, tokens, page_table, prefix_len, write_pages, spec: StepSpec):
     """The part of :func:`_model_forward` that writes K/V (returns (kv_pages, the last layer's inputs))."""
-    return forward_chunk_kv(params, spec.model, tokens, kv_pages, page_table, prefix_len, write_pages,
-                            block_size=spec.block_size, attention_fn=_attention(spec))
+    return _family(spec).forward_chunk_kv(params, spec.model, tokens, kv_pages, page_table, prefix_len, write_pages,
+                                          block_size=spec.block_size, attention_fn=_attention(spec))
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("kv_pages",))
@@ -228,7 +214,7 @@ def candidates(params, hidden, batch: DenoiseBatch, spec: StepSpec) -> tuple[Can
         if not spec.needs_logits:
             scores = _Scores(None, hidden, lse.reshape(rows, block)) if spec.logprobs else None
             return Candidates(tokens=tokens, confidence=confidence), scores
-        logits = logits_from_hidden(params, hidden)
+        logits = _family(spec).logits_from_hidden(params, hidden)
         logits = _exclude_mask(logits, spec.mask_id)
         if spec.penalties:
             pen = batch.penalties
@@ -292,8 +278,9 @@ def _one_step(params, kv_pages, batch: DenoiseBatch, tokens, state, steps_taken,
                                        batch.write_page[:, None], spec)
 
     def decode(last):
-        hidden = forward_chunk_rest(params, spec.model, last, kv_pages, batch.page_table, batch.prefix_len,
-                                    block_size=spec.block_size, attention_fn=_attention(spec))
+        hidden = _family(spec).forward_chunk_rest(params, spec.model, last, kv_pages, batch.page_table,
+                                                  batch.prefix_len, block_size=spec.block_size,
+                                                  attention_fn=_attention(spec))
         return _update(params, hidden, batch, tokens, state, steps_taken, spec)
 
     if not spec.algorithm.foldable:
@@ -449,56 +436,39 @@ def _start_next_blocks(c: dict, row: DenoiseBatch, *, go, batch: DenoiseBatch, s
 # The engine's call: one packed array in, one out (see :mod:`dllm_jax.decode.packing`)
 # ----------------------------------------------------------------------------------------------
 
-STATE_PREFIX = "state."  # packed field names of the algorithm state's leaves
-PENALTY_PREFIX = "penalties."  # and of the Penalties tables
-
-
-def result_layout(block_size: int, state_row: dict, chain: int = 0) -> RowLayout:
-    """The per-row results of :func:`denoise_packed`: tokens, done, steps, fresh_kv, kv_only, then the algorithm
-    state's leaves by name (``state_row``: one row of each leaf, e.g. ``algorithm.init_state(1, B)`` without its
-    row), then with ``chain`` the chained blocks (``chain_blocks``, ``chain_tokens``, ``chain_steps``)."""
-    chained = (("chain_blocks", (), "int32"), ("chain_tokens", (chain, block_size), "int32"),
-               ("chain_steps", (chain,), "int32")) if chain else ()
-    return RowLayout((("tokens", (block_size,), "int32"), ("done", (), "bool"), ("steps", (), "int32"),
-                      ("fresh_kv", (), "bool"), ("kv_only", (), "int32"))
-                     + tuple((STATE_PREFIX + k, tuple(v.shape), np.dtype(v.dtype).name)
-                             for k, v in sorted(state_row.items())) + chained)
-
-
-def _unpack_call(fields: dict) -> tuple[DenoiseBatch, State]:
-    state = {k[len(STATE_PREFIX):]: v for k, v in fields.items() if k.startswith(STATE_PREFIX)}
-    penalties = None
-    if any(k.startswith(PENALTY_PREFIX) for k in fields):
-        penalties = Penalties(**{f.name: fields[PENALTY_PREFIX + f.name] for f in dataclasses.fields(Penalties)})
-    batch = DenoiseBatch(**{f.name: fields[f.name] for f in dataclasses.fields(DenoiseBatch)
-                            if f.name in fields and f.name != "loop_cap"},
-                         penalties=penalties, loop_cap=fields["loop_cap"][0])
-    return batch, state
+STATE_PREFIX, PENALTY_PREFIX = rows.STATE_PREFIX, rows.PENALTY_PREFIX
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "layout"), donate_argnames=("kv_pages",))
 def denoise_packed(params, kv_pages, packed, *, spec: StepSpec, layout: RowLayout):
     """:func:`denoise` as the engine calls it: every per-row input in ``packed`` (``int32 [R, layout.width]``: the
     :class:`DenoiseBatch` fields by name, ``loop_cap`` in every row, ``state.*``, with penalties ``penalties.*``
-    and with chaining ``chain_pages``, ``chain_left``, ``stop_ids``), every per-row result packed by
-    :func:`result_layout`. Returns ``(kv_pages, packed results, logprobs record or None)``: one array to the device
+    and with chaining ``chain_pages``, ``chain_left``, ``stop_ids``: :mod:`dllm_jax.decode.rows`), every per-row
+    result packed by ``rows.result_fields``. Returns ``(kv_pages, packed results, logprobs record or None)``: one array to the device
     and one back per call."""
-    batch, state = _unpack_call(layout.unpack(packed))
+    batch, state = rows.unpack_inputs(layout.unpack(packed))
     kv_pages, result = denoise(params, kv_pages, batch, state, spec=spec)
-    out = {"tokens": result.tokens, "done": result.done, "steps": result.steps, "fresh_kv": result.fresh_kv,
-           "kv_only": result.kv_only,
-           **{STATE_PREFIX + k: v for k, v in result.state.items()}}
-    if spec.chain:
-        out.update(chain_blocks=result.chain_blocks, chain_tokens=result.chain_tokens, chain_steps=result.chain_steps)
     state_row = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in result.state.items()}
-    return kv_pages, result_layout(spec.block_size, state_row, spec.chain).pack(out), result.logprobs
+    fields = rows.result_fields(state_row, chain=bool(spec.chain))
+    out = {f.name: (result.state[f.name[len(STATE_PREFIX):]] if f.name.startswith(STATE_PREFIX)
+                    else getattr(result, f.name)) for f in fields}
+    dims = rows.Dims(B=spec.block_size, C=spec.chain)
+    return kv_pages, rows.layout(fields, dims).pack(out), result.logprobs
 
 
 def init_kv_pages(cfg: ModelConfig, num_pages: int, block_size: int, dtype=jnp.float32) -> list[Any]:
-    """The device page pool: per layer ``(k, v)``, each ``[Hkv, num_pages, B, D]``, zero-filled."""
-    shape = (cfg.num_kv_heads, num_pages, block_size, cfg.head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
+    """The device page pool, from the family's KV layout: per layer ``(k, v)``, each ``[Hkv, num_pages, B, D]`` of
+    that layer (in its own dtype if the layout names one, else ``dtype``), zero-filled."""
+    pool = []
+    for layer_kv in family_of(cfg).kv_layout(cfg):
+        shape = (layer_kv.kv_heads, num_pages, block_size, layer_kv.head_dim)
+        kv_dtype = dtype if layer_kv.dtype is None else layer_kv.dtype
+        pool.append((jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype)))
+    return pool
 
 
 def kv_bytes_per_page(cfg: ModelConfig, block_size: int, dtype) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * jnp.dtype(dtype).itemsize
+    """Bytes of one page (K and V of one block, every layer), from the family's KV layout."""
+    return sum(2 * layer_kv.kv_heads * block_size * layer_kv.head_dim
+               * jnp.dtype(dtype if layer_kv.dtype is None else layer_kv.dtype).itemsize
+               for layer_kv in family_of(cfg).kv_layout(cfg))

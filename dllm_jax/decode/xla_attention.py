@@ -24,10 +24,10 @@ an L2 cache). Results equal the reference's up to float32 rounding (the softmax 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import prev_pow2
 from pallas_kernels.paged_block_attention import einsum_f32
 
 QUERY_ROWS = 1024  # tokens x q heads x batch rows per query tile
@@ -42,17 +42,13 @@ def attention_tiles(num_rows: int, chunk_len: int, num_q_heads: int, width: int,
     most the page table."""
     B = block_size
     if q_tile is None:
-        q_tile = _pow2_floor(max(1, QUERY_ROWS // (num_rows * num_q_heads)))
+        q_tile = prev_pow2(max(1, QUERY_ROWS // (num_rows * num_q_heads)))
     q_tile = min(max(B, q_tile // B * B), chunk_len)
     if k_tile is None:
-        k_tile = _pow2_floor(max(1, SCORE_ELEMENTS // (num_rows * num_q_heads * q_tile)))
+        k_tile = prev_pow2(max(1, SCORE_ELEMENTS // (num_rows * num_q_heads * q_tile)))
         k_tile = min(MAX_K_TILE, max(MIN_K_TILE, k_tile))
     k_tile = min(max(B, k_tile // B * B), max(1, width) * B)
     return q_tile, k_tile
-
-
-def _pow2_floor(n: int) -> int:
-    return 1 << (max(1, n).bit_length() - 1)
 
 
 def paged_block_attention_xla(q, k_new, v_new, k_pages, v_pages, page_table, prefix_len, *, block_size,

@@ -1,6 +1,20 @@
-"""The engine: requests, the scheduler, the device runner and the public ``Engine``."""
+"""The engine: requests, the scheduler, the device runner and the public ``Engine`` / ``EngineConfig``."""
 
-from dllm_jax.engine.engine import Engine, generate
-from dllm_jax.engine.sampling import SamplingParams
+__all__ = ["Engine", "EngineConfig", "generate", "SamplingParams"]
 
-__all__ = ["Engine", "generate", "SamplingParams"]
+
+def __getattr__(name):
+    # Lazy: the command line reads EngineConfig (dllm_jax.engine.config) to build its parser without importing JAX.
+    if name in ("Engine", "generate"):
+        import dllm_jax.engine.engine as module
+
+        return getattr(module, name)
+    if name == "EngineConfig":
+        from dllm_jax.engine.config import EngineConfig
+
+        return EngineConfig
+    if name == "SamplingParams":
+        from dllm_jax.engine.sampling import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'dllm_jax.engine' has no attribute {name!r}")

@@ -61,13 +61,12 @@ class Request:
     cached_tokens: int | None = None  # the prefix matched at the first admission; never changes afterwards
     forward_passes: int = 0  # forwards that served this request (prefill chunks and denoise steps)
     retractions: int = 0
-    admitted_once: bool = False
     finish_reason: dict | None = None
     first_block_time: float | None = None
     finish_time: float | None = None
     emitted_tokens: int = 0
     emitted_text: str = ""
-    text: str = ""
+    final_text: str | None = None  # the answer's text when a stop string cut it (output.find_stop_string)
 
     @property
     def real_ids(self) -> list[int]:

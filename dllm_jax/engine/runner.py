@@ -1,32 +1,13 @@
 """The device side of the engine: owns the parameters and the KV page pool, pads host batches to buckets and
 calls the jitted functions of :mod:`dllm_jax.decode.step`.
 
-Buckets (every dimension a power of two, so a handful of executables serve all traffic):
-
-* denoise rows: 1, 2, 4, ... up to ``max_rows`` (the engine's ``max_running_requests``, rounded up; twice that
-  with commit folding, for the refresh rows);
-* prefill: one row per request holding a chunk of C consecutive complete blocks (block-causal attention inside
-  the chunk, the prefix gathered once per row); C in 1, 2, 4, ... and rows in 1, 2, 4, ... with
-  rows x C <= ``max_prefill_tokens / B``: one long prompt is a single row of many blocks, many short prompts are
-  many rows of few blocks;
-* page-table width (prefix pages per row): 1, 2, 4, ... up to ``ceil(context_length / B)``.
-:meth:`ModelRunner.warmup` compiles all of them; afterwards nothing recompiles. ``Engine(shape_buckets=...)``
-replaces any of these lists (fewer buckets: fewer compiles, more padding; see :class:`ShapeBuckets`).
-
-Step variants: a denoise call compiles (per bucket) the plain step, or a variant when some row samples
-(``sampling``), has a penalty / bias (``penalties``: the call carries :class:`~dllm_jax.decode.penalties.Penalties`
-tables of fixed width) or wants log probabilities (``logprobs``, and ``top_logprobs`` = 20 when some row wants
-alternatives). A batch without them runs the plain step. :meth:`ModelRunner.warmup` compiles the variants only
-when asked (``sampling=``, ``logprobs=``, ``penalties=``).
+Every call is padded to a bucket and runs an executable of :mod:`dllm_jax.engine.compilation` (the buckets, the
+step variants, warm-up and the compiles that run off the scheduler's thread).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import itertools
-import os
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,15 +15,18 @@ import numpy as np
 
 from dllm_jax.decode.algorithms import Algorithm
 from dllm_jax.decode.packing import RowLayout
+from dllm_jax.decode import rows as row_schema
+from dllm_jax.engine.calls import (_ROW_ATTRIBUTES, DecodeOutput, DecodeRow, DenoiseCall, PenaltyRow, PrefillCall,
+                                   PrefillRow, RowError)
 from dllm_jax.decode.step import (CHAIN_STOP_IDS, PENALTY_PREFIX, STATE_PREFIX, StepSpec, denoise_packed,
-                                   init_kv_pages, prefill, result_layout)
+                                   init_kv_pages, prefill)
 from dllm_jax.cache.pages import TRASH_PAGE
+from dllm_jax.engine.compilation import (VARIANT_LOGPROBS, VARIANT_PENALTIES, VARIANT_TOP, Compiler, ShapeBuckets,
+                                         bucket_keys, pick_bucket, variants_for)
 from dllm_jax.engine.sampling import MAX_LOGIT_BIAS, MAX_MIN_NEW_STOP_IDS, MAX_TOP_LOGPROBS
 
 
 KIND_STOP, KIND_PREFILL, KIND_DENOISE = 0, 1, 2
-# Denoise variants, as bits above the kind in a call's header (followers shape their arrays from it).
-VARIANT_PENALTIES, VARIANT_LOGPROBS, VARIANT_TOP = 1, 2, 4
 # Block chaining runs only in calls of at most this many decoding rows: it saves a host round trip per block, which
 # matters when a call holds few rows, and costs every row of the call (reserved pages widen the page-table bucket;
 # the loop carries each row's page table, prefix length and write page instead of reading them once). Measured on
@@ -50,105 +34,6 @@ VARIANT_PENALTIES, VARIANT_LOGPROBS, VARIANT_TOP = 1, 2, 4
 # buckets such a call can land in compile the chaining step (``ModelRunner.chain_rows``); larger ones compile the
 # plain FDFO step, so one executable serves each bucket either way.
 CHAIN_MAX_ROWS = 2
-
-
-def pow2_buckets(limit: int) -> tuple[int, ...]:
-    out, b = [], 1
-    while b < limit:
-        out.append(b)
-        b *= 2
-    out.append(b)
-    return tuple(out)
-
-
-def pick_bucket(n: int, buckets: tuple[int, ...]) -> int:
-    for b in buckets:
-        if n <= b:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
-
-
-@dataclasses.dataclass(frozen=True)
-class ShapeBuckets:
-    """The static shapes of the device calls. A call is padded up to the smallest bucket that holds it.
-
-    ``rows``: denoise rows per call (decode rows plus, with commit folding, refresh rows); ``pages``: page-table
-    widths (prefix pages per row); ``prefill_blocks``: blocks per prefill row (the largest is the prefill budget,
-    in blocks per call); ``prefill_rows``: rows per prefill call (a bucket of R > 1 rows serves chunks of C
-    blocks only if R x C fits the budget). Defaults: powers of two up to what the engine's limits need.
-    """
-
-    rows: tuple[int, ...]
-    pages: tuple[int, ...]
-    prefill_rows: tuple[int, ...]
-    prefill_blocks: tuple[int, ...]
-
-    @property
-    def prefill_budget(self) -> int:
-        return self.prefill_blocks[-1]
-
-    def prefill_rows_for(self, chunk: int) -> tuple[int, ...]:
-        return tuple(r for r in self.prefill_rows if r == 1 or r * chunk <= self.prefill_budget)
-
-    @classmethod
-    def build(cls, *, max_rows: int, max_pages_per_row: int, max_prefill_blocks: int, fold_commit: bool,
-              custom: dict | None = None) -> "ShapeBuckets":
-        """The default buckets, with any of the four lists replaced by ``custom`` (``Engine(shape_buckets=...)``);
-        a custom list whose largest bucket cannot hold what the engine's limits need is a ValueError."""
-        need_rows = 2 * max_rows if fold_commit else max_rows  # folding adds up to one refresh row per request
-        prefill_blocks = pow2_buckets(max_prefill_blocks)
-        default = {"rows": pow2_buckets(need_rows), "pages": pow2_buckets(max_pages_per_row),
-                   "prefill_blocks": prefill_blocks,
-                   "prefill_rows": pow2_buckets(min(max_rows, prefill_blocks[-1]))}
-        custom = dict(custom or {})
-        unknown = sorted(set(custom) - set(default))
-        if unknown:
-            raise ValueError(f"shape_buckets: unknown key(s) {unknown}; valid: {sorted(default)}")
-        values = {}
-        for key, base in default.items():
-            value = custom.get(key)
-            if value is None:
-                values[key] = base
-                continue
-            if (not isinstance(value, (list, tuple)) or not value
-                    or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)):
-                raise ValueError(f"shape_buckets.{key}: must be a non-empty list of integers >= 1, got {value!r}")
-            values[key] = tuple(sorted(set(value)))
-        needs = {"rows": (need_rows, "rows per denoise call" + (" (2 x max_running_requests with commit folding)"
-                                                                 if fold_commit else "")),
-                 "pages": (max_pages_per_row, "pages per row (context_length / block_size)")}
-        for key, (need, what) in needs.items():
-            if values[key][-1] < need:
-                raise ValueError(f"shape_buckets.{key}: the largest bucket {values[key][-1]} cannot hold {need} {what}")
-        if values["prefill_blocks"][-1] > prefill_blocks[-1]:
-            raise ValueError(f"shape_buckets.prefill_blocks: the largest bucket {values['prefill_blocks'][-1]} exceeds "
-                             f"the prefill budget of {prefill_blocks[-1]} blocks (max_prefill_tokens / block_size, "
-                             f"at most a row's pages)")
-        if values["prefill_rows"][0] != 1:
-            raise ValueError(f"shape_buckets.prefill_rows: must include 1 (a single long prompt), got "
-                             f"{values['prefill_rows']}")
-        return cls(**values)
-
-
-_STEP_COMPILES = [0]
-_STEP_FUNCTIONS = ("jit(denoise_packed)", "jit(prefill)")
-
-
-def _count_step_compile(event: str, duration_secs: float, **kwargs) -> None:
-    if event == "/jax/core/compile/backend_compile_duration" and kwargs.get("fun_name") in _STEP_FUNCTIONS:
-        _STEP_COMPILES[0] += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_count_step_compile)
-
-
-class RowError(Exception):
-    """Packing row ``index`` of a call failed (a value its field's dtype cannot hold, a table overflow): the
-    scheduler fails that row's request and runs the others."""
-
-    def __init__(self, index: int, error: Exception):
-        super().__init__(f"{type(error).__name__}: {error}")
-        self.index, self.error = index, error
 
 
 @dataclasses.dataclass
@@ -167,69 +52,6 @@ class CallRecord:
     iterations: int = 1  # forwards the call ran (the synchronous schedule loops on the device)
     max_prefix_pages: int = 0  # the longest real prefix of its rows (the XLA attention walks the table up to it)
     kv_only: int = 0  # of those, commit forwards that stopped after writing the K/V (decode/step.py::_one_step)
-
-
-@dataclasses.dataclass
-class PrefillRow:
-    tokens: list[int]  # C_i complete blocks of real tokens
-    prefix_pages: list[int]  # every page before the chunk
-    write_pages: list[int]  # C_i pages
-
-
-@dataclasses.dataclass
-class DecodeRow:
-    tokens: np.ndarray  # [B]
-    immutable: np.ndarray  # [B] bool
-    prefix_pages: list[int]
-    write_page: int
-    steps_taken: int
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    rng_step: int
-    algo_state: dict[str, np.ndarray] | None
-    refresh: bool = False  # a folded block re-encoded for its exact KV (nothing to decode)
-    logprobs: int = -1  # -1: none; 0: the written tokens' log probabilities; k > 0: and the top k alternatives
-    penalty: "PenaltyRow | None" = None  # None: no penalty or bias
-    # Block chaining (FDFO): pages reserved for the row's next blocks (it may start one per page on the device) and
-    # the token ids that end its generation (at most CHAIN_STOP_IDS). Empty: the row does not chain.
-    chain_pages: list[int] = dataclasses.field(default_factory=list)
-    stop_ids: tuple[int, ...] = ()
-
-
-@dataclasses.dataclass
-class PenaltyRow:
-    """A row's penalty inputs (see :mod:`dllm_jax.decode.penalties`)."""
-
-    history: list[int]  # prompt + committed outputs
-    prompt_len: int
-    presence: float = 0.0
-    frequency: float = 0.0
-    repetition: float = 1.0
-    min_new: int = 0
-    bias: tuple[tuple[int, float], ...] = ()
-    stop_ids: tuple[int, ...] = ()  # EOS and stop token ids (masked while fewer than min_new tokens are out)
-
-
-@dataclasses.dataclass
-class DecodeOutput:
-    tokens: np.ndarray  # [n, B]
-    done: np.ndarray  # [n] bool
-    steps: np.ndarray  # [n] int
-    states: list[dict[str, np.ndarray]]
-    fresh_kv: np.ndarray  # [n] bool: False for a block done by folding (its page needs a refresh row)
-    # With log probabilities: per position, the figures of the step of this call that last wrote it.
-    logprob: np.ndarray | None = None  # [n, B] f32
-    top_logprob: np.ndarray | None = None  # [n, B, 20] f32, most likely first
-    top_ids: np.ndarray | None = None  # [n, B, 20] int32
-    recorded: np.ndarray | None = None  # [n, B] bool
-    # Chaining: per row, the blocks completed before ``tokens``' block in this call (``chain_blocks[i]`` of them,
-    # oldest first) and the forwards each took. Zero blocks when the call did not chain.
-    chain_blocks: np.ndarray | None = None  # [n] int
-    chain_tokens: np.ndarray | None = None  # [n, C, B]
-    chain_steps: np.ndarray | None = None  # [n, C]
-    forwards: np.ndarray | None = None  # [n]: every forward that served the row in this call (chained blocks too)
 
 
 class ModelRunner:
@@ -283,19 +105,13 @@ class ModelRunner:
         chain_rows = pick_bucket(min(CHAIN_MAX_ROWS * (2 if fold_commit else 1), self.row_buckets[-1]),
                                  self.row_buckets)
         self.chain_rows = frozenset(R for R in self.row_buckets if R <= chain_rows) if self.chain else frozenset()
-        self._result_layouts = {chain: result_layout(block_size, self._fresh_state, self.chain if chain else 0)
+        self._result_layouts = {chain: row_schema.result_layout(row_schema.Dims(block_size, C=self.chain),
+                                                                self._fresh_state, chain=chain)
                                 for chain in (False, True)}
         self._layouts: dict[tuple[int, bool, bool], RowLayout] = {}
         self._staged: dict[tuple[int, bool, bool, int], tuple] = {}  # see _staging
         self.device_calls = 0
-        # Compiled call shapes (``buckets()`` tuples) and the step variants warm-up compiled for every bucket; a
-        # variant outside those compiles on a background thread while the calls that do not need it go on (see
-        # :meth:`compile_soon`). One thread: the other cores keep serving.
-        self._compiled: set[tuple] = set()
-        self.warmed_classes: set[tuple[bool, int]] = set()  # (sampling, variant) compiled for every bucket
-        self._compiling: dict[tuple, concurrent.futures.Future] = {}
-        self._compile_failed: dict[tuple, BaseException] = {}
-        self._compile_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.compiler = Compiler(self._lower, background=channel is None)
         # When a list (the efficiency bench sets one), every call appends a CallRecord: its bucket and how much
         # of it was real work, so a run can be set against the bare cost of its buckets.
         self.call_log: list | None = None
@@ -330,50 +146,28 @@ class ModelRunner:
         return pick_bucket(rows, self.row_buckets) in self.chain_rows
 
     def denoise_layout(self, width: int, penalties: bool, chain: bool = False) -> RowLayout:
-        """The packed per-row inputs of a denoise call with a ``width``-page table (see
-        :func:`dllm_jax.decode.step.denoise_packed`); ``chain``: with the chaining tables."""
+        """The packed per-row inputs of a denoise call with a ``width``-page table (:mod:`dllm_jax.decode.rows`);
+        ``chain``: with the chaining tables."""
         key = (width, penalties, chain)
         if key not in self._layouts:
-            B = self.block_size
-            fields = [("tokens", (B,), "int32"), ("immutable", (B,), "bool"), ("page_table", (width,), "int32"),
-                      *[(name, (), "int32") for name in ("prefix_len", "write_page", "steps_taken")],
-                      ("temperature", (), "float32"), ("top_k", (), "int32"), ("top_p", (), "float32"),
-                      ("seed", (), "uint32"), ("rng_step", (), "int32"), ("loop_cap", (), "int32"),
-                      *[(STATE_PREFIX + k, v.shape, v.dtype.name) for k, v in sorted(self._fresh_state.items())]]
-            if chain:
-                fields += [("chain_pages", (self.chain,), "int32"), ("chain_left", (), "int32"),
-                           ("stop_ids", (CHAIN_STOP_IDS,), "int32")]
-            if penalties:
-                fields += [(PENALTY_PREFIX + name, shape, dtype) for name, shape, dtype in (
-                    ("history", ((width + 1) * B,), "int32"), ("prompt_len", (), "int32"),
-                    ("presence", (), "float32"), ("frequency", (), "float32"), ("repetition", (), "float32"),
-                    ("min_new", (), "int32"), ("bias_ids", (MAX_LOGIT_BIAS,), "int32"),
-                    ("bias", (MAX_LOGIT_BIAS,), "float32"), ("stop_ids", (MAX_MIN_NEW_STOP_IDS,), "int32"),
-                    ("active", (), "bool"))]
-            self._layouts[key] = RowLayout(tuple(fields))
+            self._layouts[key] = row_schema.layout(self._input_fields(penalties, chain), self._dims(width))
         return self._layouts[key]
 
+    def _dims(self, width: int) -> row_schema.Dims:
+        return row_schema.Dims(self.block_size, W=width, C=self.chain)
+
+    def _input_fields(self, penalties: bool, chain: bool) -> tuple:
+        return row_schema.input_fields(self._dims(1), self._fresh_state, penalties=penalties, chain=chain)
+
     def _staging(self, width: int, penalties: bool, chain: bool, rows: int):
-        """For a call of ``rows`` rows of ``denoise_layout(width, penalties, chain)``: its padding rows (they decode
-        nothing: every position immutable, pages the trash page, neutral sampling, the algorithm's fresh state),
-        what its real rows start from; a host array the call's rows are written into, and that array's field views.
-        One set per bucket, kept: building a layout's two dozen views cost more than filling them."""
+        """For a call of ``rows`` rows of ``denoise_layout(width, penalties, chain)``: its padding rows (every field
+        at its padding value: they decode nothing), what its real rows start from; a host array the call's rows
+        are written into, and that array's field views. One set per bucket, kept: building a layout's two dozen
+        views cost more than filling them."""
         key = (width, penalties, chain, rows)
         if key not in self._staged:
-            layout = self.denoise_layout(width, penalties, chain)
-            padding, fields = layout.empty(rows)
-            fields["immutable"][:] = 1
-            fields["page_table"][:] = TRASH_PAGE
-            fields["write_page"][:] = TRASH_PAGE
-            fields["top_k"][:] = -1
-            fields["top_p"][:] = 1.0
-            if "stop_ids" in fields:
-                fields["stop_ids"][:] = -1
-            for k, v in self._fresh_state.items():
-                fields[STATE_PREFIX + k][:] = v
-            padding.setflags(write=False)
-            staging = padding.copy()
-            self._staged[key] = padding, staging, layout.views(staging)
+            self._staged[key] = row_schema.padding_rows(self._input_fields(penalties, chain), self._dims(width),
+                                                        rows)
         return self._staged[key]
 
     def denoise_spec(self, sampling: bool, variant: int = 0, chain: bool = False) -> StepSpec:
@@ -448,6 +242,15 @@ class ModelRunner:
         """How many rows of ``chunk`` blocks one prefill call may carry."""
         return self.buckets_spec.prefill_rows_for(pick_bucket(chunk, self.chunk_buckets))[-1]
 
+    def run(self, call: PrefillCall | DenoiseCall) -> DecodeOutput | None:
+        """Execute one planned call (:mod:`dllm_jax.engine.calls`): a prefill returns nothing, a denoise call its
+        rows' results."""
+        if isinstance(call, PrefillCall):
+            with jax.profiler.TraceAnnotation("prefill"):
+                return self.prefill(call.rows)
+        with jax.profiler.TraceAnnotation("denoise_step"):
+            return self.denoise(call.rows, loop_cap=call.loop_cap)
+
     def prefill(self, rows: list[PrefillRow]):
         """One prefill call over ``rows`` (writes their KV pages)."""
         B = self.block_size
@@ -468,7 +271,7 @@ class ModelRunner:
                                             max_prefix_pages=max(len(r.prefix_pages) for r in rows)))
         self._execute(KIND_PREFILL, {"tokens": tokens, "page_table": table, "prefix_len": prefix, "write": write},
                       (R, W, C * B))
-        self._compiled.add(("prefill", R, C, W))
+        self.compiler.ran(("prefill", R, C, W))
 
     def denoise(self, rows: list[DecodeRow], loop_cap: int = 1):
         """One denoise call over ``rows``: one step, or (FDFO) up to ``loop_cap`` steps until the first row with
@@ -499,7 +302,7 @@ class ModelRunner:
         packed = staging.copy()  # the call's own inputs (the staging rows are rewritten by the next call)
         result = self._execute(KIND_DENOISE | (variant << 2), {"rows": packed}, (R, W, B))
         sampled = bool(np.any((fields["temperature"] > 0) & (fields["top_k"] != 1)))
-        self._compiled.add(("denoise", R, W, sampled, variant))
+        self.compiler.ran(("denoise", R, W, sampled, variant))
         # The one host sync of this step. np.array, not jax.device_get: on XLA:CPU it reads the buffer directly
         # (~1 us; device_get's asynchronous copy costs ~0.1 ms a call).
         results, record = np.array(result[0]), jax.tree.map(np.asarray, result[1])
@@ -526,17 +329,10 @@ class ModelRunner:
 
     def _fill_row(self, fields: dict, state: dict, i: int, r: DecodeRow, chain: bool, R: int) -> None:
         """Write row ``i`` of a denoise call into the staging views (numpy checks each value against its dtype)."""
-        fields["tokens"][i] = r.tokens
-        fields["immutable"][i] = r.immutable
+        for name in _ROW_ATTRIBUTES:  # the input fields a DecodeRow holds under their own name
+            fields[name][i] = getattr(r, name)
         fields["page_table"][i, : len(r.prefix_pages)] = r.prefix_pages
         fields["prefix_len"][i] = len(r.prefix_pages) * self.block_size
-        fields["write_page"][i] = r.write_page
-        fields["steps_taken"][i] = r.steps_taken
-        fields["temperature"][i] = r.temperature
-        fields["top_k"][i] = r.top_k
-        fields["top_p"][i] = r.top_p
-        fields["seed"][i] = r.seed
-        fields["rng_step"][i] = r.rng_step
         if r.algo_state is not None:
             for k, v in r.algo_state.items():
                 state[k][i] = v
@@ -568,45 +364,9 @@ class ModelRunner:
     # -------------------------------------------------------------------------------------------
     def denoise_key(self, rows: int, pages: int, *, sampling: bool, penalties: bool, logprobs: bool,
                     top: bool) -> tuple:
-        """The ``buckets()`` tuple of a denoise call of ``rows`` rows whose longest page table holds ``pages``."""
-        variant = ((VARIANT_PENALTIES if penalties else 0) | (VARIANT_LOGPROBS if logprobs or top else 0)
-                   | (VARIANT_TOP if top else 0))
+        """The key of a denoise call of ``rows`` rows whose longest page table holds ``pages``."""
         return ("denoise", pick_bucket(rows, self.row_buckets), pick_bucket(max(1, pages), self.width_buckets),
-                sampling, variant)
-
-    def compiles_in_background(self, key: tuple) -> bool:
-        """Whether a call of ``key`` must wait for a background compile: its step variant was not warmed up and its
-        executable is not compiled yet. (Only after a warm-up: an engine that compiles lazily compiles every call
-        in line, as its first calls must anyway. Single-process only: followers compile what the leader runs.)
-        A key whose background compile failed reads False: the call then runs and fails with the error."""
-        return (self.channel is None and bool(self.warmed_classes) and key[0] == "denoise"
-                and key not in self._compiled and key[3:] not in self.warmed_classes
-                and key not in self._compile_failed)
-
-    def compile_soon(self, key: tuple) -> None:
-        """Compile ``key``'s executable on the background thread (once; a no-op if compiled or under way)."""
-        if key in self._compiled or key in self._compiling or key in self._compile_failed:
-            return
-        if self._compile_pool is None:
-            self._compile_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dllm-compile")
-        future = self._compile_pool.submit(self._compile_key, key)
-        self._compiling[key] = future
-
-    def _compile_key(self, key: tuple) -> None:
-        try:
-            self._lower(key).compile()
-            self._compiled.add(key)
-        except BaseException as e:  # the call that needs it runs and fails with it (its requests only)
-            self._compile_failed[key] = e
-        finally:
-            self._compiling.pop(key, None)
-
-    def wait_for_compiles(self, timeout: float) -> None:
-        """Block up to ``timeout`` seconds until a background compile finishes (the scheduler, with nothing it
-        can run, waits here instead of spinning)."""
-        pending = list(self._compiling.values())
-        if pending:
-            concurrent.futures.wait(pending, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+                sampling, variants_for(penalties=penalties, logprobs=logprobs, top=top))
 
     def _abstract(self, tree):
         """Shapes of device arrays, as the jitted call sees them (a sharding only where a mesh placed them: a
@@ -634,76 +394,38 @@ class ModelRunner:
 
     # -------------------------------------------------------------------------------------------
     def buckets(self, *, sampling: bool = False, logprobs: bool = False, penalties: bool = False) -> list[tuple]:
-        """Every shape a call can take: ``("denoise", rows, width, sampling, variant)`` and ``("prefill", rows,
-        blocks, width)`` (prefill: always the widest table, see ``prefill_width``). ``sampling`` / ``logprobs`` /
-        ``penalties`` add the step variants for them (every combination: a batch may mix such requests)."""
-        variants = [0]
-        if penalties:
-            variants += [VARIANT_PENALTIES]
-        if logprobs:
-            variants += [v | VARIANT_LOGPROBS | top for v in list(variants) for top in (0, VARIANT_TOP)]
-        out = [("denoise", R, W, sampled, v) for sampled in ((False, True) if sampling else (False,))
-               for v in variants for R, W in itertools.product(self.row_buckets, self.width_buckets)]
-        out += [("prefill", R, C, self.prefill_width) for C in self.chunk_buckets
-                for R in self.buckets_spec.prefill_rows_for(C)]
-        return out
+        """Every key a call can take, with the step variants asked for (see :func:`compilation.bucket_keys`)."""
+        return bucket_keys(self.buckets_spec, self.prefill_width, sampling=sampling, logprobs=logprobs,
+                           penalties=penalties)
 
     def num_buckets(self, **variants) -> int:
         return len(self.buckets(**variants))
 
     def warmup(self, *, sampling: bool = False, logprobs: bool = False, penalties: bool = False,
                on_bucket=None) -> int:
-        """Compile every bucket now, with the step variants asked for (see :meth:`buckets`). Returns the count.
-
-        The executables are compiled ahead of time, not run: running a bucket of padding rows costs its full
-        forward, and the big prefill buckets of a 50M model took minutes of a CPU's start that way. Tracing and
-        lowering hold the GIL, compiling (or loading an executable from the persistent cache) mostly does not, so
-        the main thread lowers bucket after bucket while a pool of one thread per core compiles them: on a warm
-        cache the loads hide behind the lowering. With followers (several processes) each bucket is run instead
-        (padding rows, writes to the trash page), so that every process compiles it now, in step, rather than
-        inside a later collective."""
-        B = self.block_size
-        lower_only = self.channel is None
-        buckets = self.buckets(sampling=sampling, logprobs=logprobs, penalties=penalties)
-        count = 0
-        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1,
-                                                   thread_name_prefix="dllm-compile") as pool:
-            pending = []
-            for bucket in buckets:
-                count += 1
-                if lower_only:
-                    pending.append(pool.submit(self._lower(bucket).compile))
-                    if on_bucket is not None:
-                        pending[-1].add_done_callback(lambda _: on_bucket())
-                    continue
-                if bucket[0] == "denoise":  # followers: run each bucket (padding rows) so every process compiles
-                    _, R, W, sampled, variant = bucket
-                    lps = -1 if not variant & VARIANT_LOGPROBS else (1 if variant & VARIANT_TOP else 0)
-                    row = DecodeRow(tokens=np.zeros(B, np.int32), immutable=np.ones(B, np.bool_),
-                                    prefix_pages=[TRASH_PAGE] * W, write_page=TRASH_PAGE, steps_taken=0,
-                                    temperature=1.0 if sampled else 0.0, top_k=-1, top_p=1.0, seed=0, rng_step=0,
-                                    algo_state=None, logprobs=lps,
-                                    penalty=PenaltyRow([], 0) if variant & VARIANT_PENALTIES else None)
-                    self.denoise([row] * R)
-                else:
-                    _, R, C, W = bucket
-                    self.prefill([PrefillRow(tokens=[0] * (C * B), prefix_pages=[TRASH_PAGE] * W,
-                                             write_pages=[TRASH_PAGE] * C)] * R)
-                if on_bucket is not None:
-                    on_bucket()
-            for future in pending:
-                future.result()  # a compile error surfaces here, in the caller's thread
-        self._compiled.update(buckets)
-        self.warmed_classes.update(b[3:] for b in buckets if b[0] == "denoise")
+        """Compile every bucket now, with the step variants asked for (:meth:`Compiler.warmup`). Returns the count.
+        With followers (several processes) each bucket runs once instead, so that every process compiles it."""
+        count = self.compiler.warmup(self.buckets(sampling=sampling, logprobs=logprobs, penalties=penalties),
+                                     run=self._run_padding if self.channel is not None else None, on_key=on_bucket)
         jax.block_until_ready(self.kv_pages)
         return count
 
-    @staticmethod
-    def compiled_executables() -> int:
-        """How many executables the step functions have obtained in this process, compiled or loaded from the
-        persistent cache (a test asserts it stops growing after warm-up). Counted from JAX's compile events, not
-        from the jit dispatch caches: an executable compiled ahead of time enters those only at its first call."""
-        return _STEP_COMPILES[0]
+    def _run_padding(self, key: tuple) -> None:
+        """Run one call of ``key`` over padding rows (they write to the trash page)."""
+        B = self.block_size
+        if key[0] == "denoise":
+            _, R, W, sampled, variant = key
+            lps = -1 if not variant & VARIANT_LOGPROBS else (1 if variant & VARIANT_TOP else 0)
+            row = DecodeRow(tokens=np.zeros(B, np.int32), immutable=np.ones(B, np.bool_),
+                            prefix_pages=[TRASH_PAGE] * W, write_page=TRASH_PAGE, steps_taken=0,
+                            temperature=1.0 if sampled else 0.0, top_k=-1, top_p=1.0, seed=0, rng_step=0,
+                            algo_state=None, logprobs=lps,
+                            penalty=PenaltyRow([], 0) if variant & VARIANT_PENALTIES else None)
+            self.denoise([row] * R)
+        else:
+            _, R, C, W = key
+            self.prefill([PrefillRow(tokens=[0] * (C * B), prefix_pages=[TRASH_PAGE] * W,
+                                     write_pages=[TRASH_PAGE] * C)] * R)
 
 
 def _fill_penalties(rows: list[DecodeRow], out: dict[str, np.ndarray]) -> None:
@@ -712,9 +434,7 @@ def _fill_penalties(rows: list[DecodeRow], out: dict[str, np.ndarray]) -> None:
     bucket allows (prefix pages plus the block), the bias and stop tables have the fixed widths the sampling params
     are validated against: no new shapes."""
     history_len = out["history"].shape[1]
-    for name in ("history", "bias_ids", "stop_ids"):
-        out[name][:] = -1
-    out["repetition"][:] = 1.0
+    row_schema.reset(out, row_schema.PENALTY_INPUTS)
     for i, r in enumerate(rows):
         p = r.penalty
         if p is None:

@@ -26,30 +26,32 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Callable
+from typing import Iterator
 
 import jax
 import numpy as np
 
 from dllm_jax.cache.pages import OutOfPages, PageAllocator
 from dllm_jax.cache.radix import BlockRadixIndex
+from dllm_jax.engine.output import Output
 from dllm_jax.engine.request import Phase, Request
-from dllm_jax.decode.step import CHAIN_STOP_IDS, RNG_STEPS_PER_BLOCK
-from dllm_jax.engine.runner import (CHAIN_MAX_ROWS, DecodeOutput, DecodeRow, ModelRunner, PenaltyRow, PrefillRow,
-                                     RowError)
+from dllm_jax.decode.step import RNG_STEPS_PER_BLOCK
+from dllm_jax.engine.commit import CommitMixin
+from dllm_jax.engine.calls import (DecodeOutput, DecodeRow, DenoiseCall, Failed, PenaltyRow, PrefillCall, PrefillRow,
+                                   RowError)
+from dllm_jax.engine.runner import CHAIN_MAX_ROWS, ModelRunner
 
 log = logging.getLogger("dllm_jax")
 
 
-PROVISIONAL = {"provisional": True}  # the event of a denoise step that left the block unfinished
 STAT_KEYS = ("requests", "prompt_tokens", "cached_tokens", "generation_tokens", "finished", "retractions",
              "prefill_forwards", "denoise_calls", "denoise_forwards", "refresh_rows", "chained_blocks")
 
 
-class Scheduler:
+class Scheduler(CommitMixin):
     def __init__(self, runner: ModelRunner, allocator: PageAllocator, radix: BlockRadixIndex, *, block_size: int,
                  mask_id: int, eos_token_ids: tuple[int, ...], max_running_requests: int, context_length: int,
-                 max_prefill_blocks: int, decode_text: Callable[[list[int], bool], str] | None = None,
+                 max_prefill_blocks: int, output: Output | None = None,
                  max_steps_per_call: int = 1 << 30):
         self.runner = runner
         self.allocator = allocator
@@ -60,7 +62,7 @@ class Scheduler:
         self.max_running = max_running_requests
         self.context_length = context_length
         self.max_prefill_blocks = max_prefill_blocks
-        self.decode_text = decode_text
+        self.output = output  # where stop strings are found (dllm_jax/engine/output.py)
         self.max_steps_per_call = max_steps_per_call
         self._stop_sets: dict[tuple, frozenset[int]] = {}  # see _stop_set
         self.waiting: collections.deque[Request] = collections.deque()
@@ -87,15 +89,38 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def step(self) -> None:
+    def schedule(self) -> Iterator[PrefillCall | DenoiseCall]:
+        """One round's device calls, planned one at a time (each after the previous one was processed): admission,
+        then a prefill call over the complete blocks admitted requests still have to encode, then a denoise call
+        over the decoding requests. The caller runs each (``runner.run``) and hands its result to :meth:`process`.
+        When nothing could run because every decoding row waits for a background compile, the round waits a
+        moment for it instead of spinning."""
         with jax.profiler.TraceAnnotation("schedule"):
             self._admit()
         prefill_reqs = [r for r in self.running if r.phase is Phase.PREFILL]
-        if prefill_reqs:
-            self._prefill_round(prefill_reqs)
+        call = self._plan_prefill(prefill_reqs) if prefill_reqs else None
+        if call is not None:
+            yield call
         decode_reqs = [r for r in self.running if r.phase is Phase.DECODE]
-        if decode_reqs and not self._decode_round(decode_reqs) and not prefill_reqs:
-            self.runner.wait_for_compiles(0.05)  # nothing could run: every row waits for a compile
+        denoise = self._plan_denoise(decode_reqs) if decode_reqs else None
+        if denoise is not None:
+            yield denoise
+        elif decode_reqs and call is None:
+            self.runner.compiler.wait(0.05)
+
+    def process(self, call: PrefillCall | DenoiseCall, result: DecodeOutput | Failed | None) -> None:
+        """Commit a call's result: prefilled blocks enter the index, denoised blocks are committed or carried on.
+        A :class:`Failed` result fails that call's requests (see :meth:`_fail_call`)."""
+        if isinstance(result, Failed):
+            for pages in getattr(call, "chain_pages", {}).values():  # reserved, owned by no request yet
+                self.allocator.free(pages)
+            if not isinstance(result.error, Exception):
+                raise result.error
+            self._fail_call(call.reqs if isinstance(call, PrefillCall) else call.all_reqs, result.error)
+        elif isinstance(call, PrefillCall):
+            self._commit_prefill(call)
+        else:
+            self._commit_denoise(call, result)
 
     # ------------------------------------------------------------------------------------------
     # Admission
@@ -149,7 +174,6 @@ class Scheduler:
         if req.cached_tokens is None:
             req.cached_tokens = match.matched_len
             self.stats["cached_tokens"] += match.matched_len
-        req.admitted_once = True
         self.running.append(req)
         self._classify(req)
         if req.phase is Phase.PREFILL and self.radix.enabled:
@@ -228,7 +252,7 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------
     # Prefill
     # ------------------------------------------------------------------------------------------
-    def _prefill_round(self, reqs: list[Request]) -> None:
+    def _plan_prefill(self, reqs: list[Request]) -> PrefillCall | None:
         """Encode complete blocks of real tokens in one forward: a row per request, holding a chunk of its
         consecutive blocks (block-causal inside the chunk), as many as the prefill budget allows."""
         B = self.B
@@ -247,27 +271,13 @@ class Scheduler:
                 allocated.append((req, pages))
         allocated = [(req, pages) for req, pages in allocated if req.phase is Phase.PREFILL]
         if not allocated:
-            return
+            return None
         rows = []
         for req, pages in allocated:
             start = req.prefix_len(B)
             rows.append(PrefillRow(tokens=req.real_ids[start:start + len(pages) * B], prefix_pages=list(req.pages),
                                    write_pages=pages))
-        with jax.profiler.TraceAnnotation("prefill"):
-            try:
-                self.runner.prefill(rows)
-            except Exception as e:
-                self._fail_call([req for req, _ in allocated], e)
-                return
-        self.stats["prefill_forwards"] += 1
-        for req, pages in allocated:
-            try:
-                req.pages.extend(pages)
-                req.forward_passes += 1
-                self._insert(req)
-                self._classify(req)
-            except Exception as e:
-                self._fail(req, e)
+        return PrefillCall(reqs=[req for req, _ in allocated], pages=[pages for _, pages in allocated], rows=rows)
 
     # ------------------------------------------------------------------------------------------
     # Denoise
@@ -300,8 +310,8 @@ class Scheduler:
             req.block_top_ids = np.zeros((B, k), np.int32)
         return True
 
-    def _decode_round(self, reqs: list[Request]) -> bool:
-        """One denoise call over the decoding requests that can run now; False if none could."""
+    def _plan_denoise(self, reqs: list[Request]) -> DenoiseCall | None:
+        """One denoise call over the decoding requests that can run now; None if none can."""
         for req in reqs:
             if req.block_tokens is None and req.phase is Phase.DECODE:
                 self._start_block(req)
@@ -311,7 +321,7 @@ class Scheduler:
         refresh = [r for r in self.running if r.stale_tokens is not None]
         reqs = self._runnable(reqs, refresh)
         if not reqs and not refresh:
-            return False
+            return None
         B = self.B
         loop_cap = self._loop_cap(reqs, refresh)
         # FDFO chains calls of up to CHAIN_MAX_ROWS requests; the synchronous schedule a request running alone (its
@@ -319,7 +329,7 @@ class Scheduler:
         chains = (loop_cap > 1 and len(reqs) <= (1 if self.runner.loop else CHAIN_MAX_ROWS)
                   and self.runner.can_chain(len(reqs) + len(refresh)))
         chain_pages = self._reserve_chain_pages(reqs) if chains else {}
-        if chain_pages and self.runner.compiles_in_background(self._call_key(reqs, refresh, chain_pages)):
+        if chain_pages and self.runner.compiler.compiles_in_background(self._call_key(reqs, refresh, chain_pages)):
             for pages in chain_pages.values():  # the wider page table chaining needs is not compiled: no chaining
                 self.allocator.free(pages)
             chain_pages = {}
@@ -332,33 +342,7 @@ class Scheduler:
                            rng_step=self._rng_step(r), algo_state=r.algo_state, logprobs=r.params.logprobs,
                            penalty=self._penalty_row(r), chain_pages=chain_pages.get(id(r), []),
                            stop_ids=self._stop_ids(r) if id(r) in chain_pages else ()) for r in reqs]
-        with jax.profiler.TraceAnnotation("denoise_step"):
-            try:
-                out = self.runner.denoise(rows, loop_cap=loop_cap)
-            except BaseException as e:  # the pages reserved for chaining belong to no request yet: give them back
-                for pages in chain_pages.values():
-                    self.allocator.free(pages)
-                if not isinstance(e, Exception):
-                    raise
-                self._fail_call(refresh + reqs, e)
-                return True
-        self.stats["denoise_calls"] += 1
-        self.stats["denoise_forwards"] += int(out.forwards.max())
-        self.stats["refresh_rows"] += len(refresh)
-        with jax.profiler.TraceAnnotation("commit"):
-            for req in refresh:
-                try:
-                    req.stale_tokens = None
-                    self._insert(req)
-                except Exception as e:
-                    self._fail(req, e)
-            for i, req in enumerate(reqs, start=len(refresh)):
-                pages = chain_pages.get(id(req), [])
-                try:
-                    self._commit_row(req, out, i, pages)
-                except Exception as e:
-                    self._fail(req, e, stray_pages=pages)
-        return True
+        return DenoiseCall(refresh=refresh, reqs=reqs, rows=rows, loop_cap=loop_cap, chain_pages=chain_pages)
 
     # ------------------------------------------------------------------------------------------
     # Step variants compiled off the scheduler's thread
@@ -370,13 +354,14 @@ class Scheduler:
         ready the largest group of rows whose own call is compiled runs (plain rows keep being served); the rest
         wait, their block and state kept. An engine without warm-up compiles in line, as it always did."""
         key = self._call_key(reqs, refresh)
-        if not reqs or not self.runner.compiles_in_background(key):
+        if not reqs or not self.runner.compiler.compiles_in_background(key):
             return reqs
-        self.runner.compile_soon(key)
+        self.runner.compiler.compile_soon(key)
         best: list[Request] = []
         for need in {self._need(r) for r in reqs}:
             group = [r for r in reqs if all(a or not b for a, b in zip(need, self._need(r)))]  # needs within
-            if len(group) > len(best) and not self.runner.compiles_in_background(self._call_key(group, refresh)):
+            if len(group) > len(best) and not self.runner.compiler.compiles_in_background(
+                    self._call_key(group, refresh)):
                 best = group
         return best
 
@@ -394,92 +379,6 @@ class Scheduler:
         return self.runner.denoise_key(len(reqs) + len(refresh), pages, sampling=any(n[0] for n in needs),
                                        penalties=any(n[1] for n in needs), logprobs=any(n[2] for n in needs),
                                        top=any(n[3] for n in needs))
-
-    def _commit_row(self, req: Request, out: DecodeOutput, i: int, pages: list[int]) -> None:
-        """Take row ``i`` of a denoise call's result: its figures, its chained blocks (``pages`` were reserved
-        for them; those it did not start are freed), then its block: committed if done, else carried on."""
-        if req.params.logprobs >= 0:
-            self._record_logprobs(req, out, i)
-        chained = int(out.chain_blocks[i]) if pages else 0
-        self.stats["chained_blocks"] += chained
-        if pages[chained:]:  # reserved for blocks the call did not start
-            self.allocator.free(pages[chained:])
-        if chained and not self._commit_chained(req, out.chain_tokens[i, :chained],
-                                                out.chain_steps[i, :chained], pages[:chained]):
-            return
-        steps = int(out.steps[i])
-        req.forward_passes += steps
-        req.block_steps += steps
-        if out.done[i]:
-            self._commit_block(req, out.tokens[i], fresh_kv=bool(out.fresh_kv[i]))
-        else:
-            req.block_tokens, req.algo_state = out.tokens[i], out.states[i]
-            if req.provisional:
-                self._emit(req, PROVISIONAL)
-
-    # ------------------------------------------------------------------------------------------
-    # Block chaining (FDFO): a request that nothing else waits on writes several blocks per device call
-    # ------------------------------------------------------------------------------------------
-    def _chain_budget(self, req: Request) -> int:
-        """How many blocks after the current one the request may start on the device in this call: none when the
-        host must see each block (streaming, stop strings, log probabilities, penalties, which read the growing
-        history) or when its stop ids do not fit the device's table; else as many as ``max_new_tokens`` and the
-        context length leave room for, at most the runner's chain width."""
-        p = req.params
-        if (req.stream or req.provisional or p.stop or p.logprobs >= 0 or p.penalized
-                or req.block_immutable is None or len(self._stop_set(req)) > CHAIN_STOP_IDS):
-            return 0
-        B = self.B
-        after = len(req.output_ids) + B - int(req.block_immutable.sum())  # outputs once the current block is in
-        remaining = p.max_new_tokens - after
-        room = self.context_length // B - len(req.pages) - 1  # further blocks that fit the context
-        return max(0, min(self.runner.chain, -(-remaining // B), room))
-
-    def _reserve_chain_pages(self, reqs: list[Request]) -> dict[int, list[int]]:
-        """Pages for the blocks each request may chain into: free pages, then pages of the cache's least recently
-        used blocks (as the next round would take for the next block), never a running request's (no retraction
-        for a block that may not be needed). What a call does not use is freed after it."""
-        out = {}
-        for req in reqs:
-            n = self._chain_budget(req)
-            if n > self.allocator.num_free and self.radix.evictable:
-                with jax.profiler.TraceAnnotation("radix.evict"):
-                    self.radix.evict(min(n - self.allocator.num_free, self.radix.evictable))
-            n = min(n, self.allocator.num_free)
-            if n > 0:
-                out[id(req)] = self.allocator.alloc(n)
-        return out
-
-    def _stop_set(self, req: Request) -> frozenset[int]:
-        """The token ids that end the request's outputs (its stop ids, and EOS unless ignored); one set per distinct
-        choice, kept (a commit reads it for every block)."""
-        stop_token_ids, ignore_eos = key = (req.params.stop_token_ids, req.params.ignore_eos)
-        ids = self._stop_sets.get(key)
-        if ids is None:
-            ids = frozenset(stop_token_ids) if ignore_eos else frozenset(stop_token_ids) | self.eos_token_ids
-            if len(self._stop_sets) < 1024:
-                self._stop_sets[key] = ids
-        return ids
-
-    def _stop_ids(self, req: Request) -> tuple[int, ...]:
-        return tuple(sorted(self._stop_set(req)))
-
-    def _commit_chained(self, req: Request, blocks: np.ndarray, steps: np.ndarray, pages: list[int]) -> bool:
-        """Commit the blocks a call completed and chained past, each as a block done on the host would be, and set
-        up the block after each in its reserved page. False if the request finished (then its later pages, whose
-        blocks the host does not keep, are freed)."""
-        for j, (tokens, n) in enumerate(zip(blocks, steps)):
-            req.forward_passes += int(n)
-            req.block_steps += int(n)
-            self._commit_block(req, tokens, fresh_kv=True)
-            if req.finished:  # the device chains only past blocks that do not end the request: a safety net
-                self.allocator.free(pages[j:])
-                return False
-            if not self._start_block(req, pages[j]):  # (it frees pages[j])
-                if pages[j + 1:]:
-                    self.allocator.free(pages[j + 1:])
-                return False
-        return True
 
     def _loop_cap(self, reqs: list[Request], refresh: list[Request]) -> int:
         """FDFO: how many steps the call may run on the device before the batch comes back (it stops anyway when
@@ -505,104 +404,10 @@ class Scheduler:
                           frequency=p.frequency_penalty, repetition=p.repetition_penalty, min_new=p.min_new_tokens,
                           bias=p.logit_bias, stop_ids=stops)
 
-    @staticmethod
-    def _record_logprobs(req: Request, out: DecodeOutput, i: int) -> None:
-        """Keep, per position of the block, the figures of the forward that last wrote it."""
-        wrote = out.recorded[i]
-        req.block_logprob[wrote] = out.logprob[i][wrote]
-        k = req.block_top_ids.shape[1]
-        if k:
-            req.block_top_logprob[wrote] = out.top_logprob[i][wrote, :k]
-            req.block_top_ids[wrote] = out.top_ids[i][wrote, :k]
-
     def _rng_step(self, req: Request) -> int:
         """Where this step sits in the request's generation (block index, step in block): folded into the sampling
         key, so a seeded request draws the same tokens whatever its batch, cache hits or retractions."""
         return req.prefix_len(self.B) // self.B * RNG_STEPS_PER_BLOCK + req.block_steps
-
-    def _commit_block(self, req: Request, tokens: np.ndarray, fresh_kv: bool = True) -> None:
-        B = self.B
-        n_imm = int(np.count_nonzero(req.block_immutable))
-        new = tokens[n_imm:].tolist()
-        if req.first_block_time is None:
-            req.first_block_time = time.perf_counter()
-        before = len(req.output_ids)
-        finish = self._append_outputs(req, new)
-        if req.params.logprobs >= 0:
-            self._append_logprobs(req, n_imm, before)
-        if req.real_len >= req.prefix_len(B) + B:  # the block is complete real tokens: keep its KV
-            req.pages.append(req.block_page)
-            req.own_pages.add(req.block_page)
-            req.block_page = None
-            if fresh_kv:
-                self._insert(req)
-            else:  # folded: cached once the next call's refresh row has rewritten its KV
-                req.stale_tokens = np.array(tokens, np.int32)
-        req.block_tokens = req.block_immutable = req.algo_state = None
-        req.block_steps = 0
-        if finish is not None:
-            self._finish(req, finish, insert=True)
-        else:
-            self._emit(req)
-            if not req.finished:  # (its consumer may have failed it)
-                self._classify(req)
-
-    @staticmethod
-    def _append_logprobs(req: Request, n_imm: int, before: int) -> None:
-        """SGLang's triples for the output tokens just committed (``-inf`` reported as -9999.0, JSON-safe)."""
-        count = len(req.output_ids) - before
-        pos = slice(n_imm, n_imm + count)
-        ids = req.output_ids[before:]
-        lps = np.maximum(req.block_logprob[pos], -9999.0).tolist()
-        req.output_token_logprobs.extend([lp, tid, None] for lp, tid in zip(lps, ids))
-        k = req.block_top_ids.shape[1]
-        if k:
-            vals = np.maximum(req.block_top_logprob[pos], -9999.0).tolist()
-            tops = req.block_top_ids[pos].tolist()
-            req.output_top_logprobs.extend([[v, t, None] for v, t in zip(vs, ts)] for vs, ts in zip(vals, tops))
-
-    def _append_outputs(self, req: Request, new: list[int]) -> dict | None:
-        """Append a committed block's new tokens; apply max_new_tokens, EOS / stop ids and stop strings."""
-        params = req.params
-        stop_ids = self._stop_set(req)
-        finish = None
-        start = len(req.output_ids)
-        # The first stop id ends the outputs (with it); else max_new_tokens does (a stop id at that very token wins).
-        room = max(1, params.max_new_tokens - start)
-        stop_at = None
-        if not stop_ids.isdisjoint(new):  # (a check at C speed: most blocks hold no stop id)
-            stop_at = next(j for j, tok in enumerate(new) if tok in stop_ids)
-        if stop_at is not None and stop_at < room:
-            new = new[:stop_at + 1]
-            finish = {"type": "stop", "matched": new[-1]}
-        elif len(new) >= room:
-            new = new[:room]
-            finish = {"type": "length", "length": params.max_new_tokens}
-        req.output_ids.extend(new)
-        if params.stop and self.decode_text is not None:
-            hit = self._find_stop_string(req, start)
-            if hit is not None:
-                finish = hit
-        self.stats["generation_tokens"] += len(req.output_ids) - start  # after any stop-string cut
-        return finish
-
-    def _find_stop_string(self, req: Request, start: int) -> dict | None:
-        """Earliest stop string completed by the new tokens; outputs are cut right after the token completing it."""
-        text = self.decode_text(req.output_ids, req.params.skip_special_tokens)
-        best = None
-        for s in req.params.stop:
-            i = text.find(s)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is None:
-            return None
-        pos, s = best
-        for n in range(max(start, 0) + 1, len(req.output_ids) + 1):
-            if s in self.decode_text(req.output_ids[:n], req.params.skip_special_tokens):
-                del req.output_ids[n:]
-                break
-        req.text = text[:pos]
-        return {"type": "stop", "matched": s}
 
     # ------------------------------------------------------------------------------------------
     # Finish

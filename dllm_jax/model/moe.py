@@ -28,14 +28,16 @@ import jax.numpy as jnp
 from dllm_jax.config import ModelConfig
 
 
-def _linear(x, w):
-    """``x @ w`` accumulated in float32, in ``x``'s dtype (see :func:`dllm_jax.model.qwen3.linear`)."""
+def linear(x, w):
+    """``x @ w`` accumulated in float32, returned in ``x``'s dtype. For float32 this is the plain product; for
+    bfloat16 it is what GPUs do anyway, and on XLA:CPU it is ~10x faster than a bf16-output dot (measured on a
+    1.7B-shaped layer: 1.5 ms vs 14 ms for 8 tokens)."""
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def swiglu(x, gate, up, down):
     """Dense SwiGLU MLP ``down(silu(x @ gate) * (x @ up))`` (products accumulated in float32)."""
-    return _linear(jax.nn.silu(_linear(x, gate)) * _linear(x, up), down)
+    return linear(jax.nn.silu(linear(x, gate)) * linear(x, up), down)
 
 
 def router_logits(moe, x, cfg: ModelConfig):

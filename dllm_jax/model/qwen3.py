@@ -4,9 +4,10 @@ One implementation serves all three families; :class:`ModelConfig` fields switch
 q/k norm on or off, output-projection bias) and a layer whose pytree has an ``moe`` sub-dict runs the sparse
 MLP of :mod:`dllm_jax.model.moe` instead of the dense SwiGLU.
 
-Parameters are a plain dict pytree; matrices are stored ``[in, out]`` (HF stores ``[out, in]``; the
-loader transposes once). Layers are a list of dicts so that each layer's weights and KV pages are
-separate buffers (clean donation, simple sharding).
+Parameters are a plain dict pytree described by :mod:`dllm_jax.model.params` (one table: shapes, sharding axes,
+dtypes, checkpoint names); matrices are stored ``[in, out]`` (HF stores ``[out, in]``; the loader transposes once).
+Layers are a list of dicts so that each layer's weights and KV pages are separate buffers (clean donation, simple
+sharding).
 
 Two entry points:
 
@@ -21,121 +22,14 @@ Logits at position ``i`` predict token ``i`` (no shift): that is how SDAR is tra
 from __future__ import annotations
 
 import functools
-import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.model.moe import moe_mlp, swiglu
-
-Params = dict[str, Any]
-
-
-# ----------------------------------------------------------------------------------------------
-# Parameters
-# ----------------------------------------------------------------------------------------------
-
-def param_shapes(cfg: ModelConfig) -> Params:
-    """Shapes of every parameter, in the pytree layout the model uses.
-
-    A sparse layer holds ``moe``: ``router [H, E]``, optional ``expert_bias [E]``, experts stacked as
-    ``gate/up [E, H, I]`` and ``down [E, I, H]`` (the leading axis is the one an ``expert`` mesh axis shards),
-    and optional ``shared_gate/shared_up [H, S]``, ``shared_down [S, H]`` (all shared experts fused as one MLP).
-    A dense layer holds ``gate/up [H, I]``, ``down [I, H]``.
-    """
-    h, d = cfg.hidden_size, cfg.head_dim
-    attn = {
-        "attn_norm": (h,),
-        "q": (h, cfg.q_size),
-        "k": (h, cfg.kv_size),
-        "v": (h, cfg.kv_size),
-        "o": (cfg.q_size, h),
-        "mlp_norm": (h,),
-    }
-    if cfg.use_qk_norm:
-        attn.update({"q_norm": (d,), "k_norm": (d,)})
-    if cfg.attention_bias:
-        attn.update({"q_bias": (cfg.q_size,), "k_bias": (cfg.kv_size,), "v_bias": (cfg.kv_size,)})
-    if cfg.o_bias:
-        attn["o_bias"] = (h,)
-    layers = []
-    for i in range(cfg.num_layers):
-        layer = dict(attn)
-        if cfg.is_moe_layer(i):
-            e, m = cfg.num_experts, cfg.moe_intermediate_size
-            moe = {"router": (h, e), "gate": (e, h, m), "up": (e, h, m), "down": (e, m, h)}
-            if cfg.moe_expert_bias:
-                moe["expert_bias"] = (e,)
-            if cfg.num_shared_experts:
-                s = cfg.shared_intermediate_total
-                moe.update({"shared_gate": (h, s), "shared_up": (h, s), "shared_down": (s, h)})
-            layer["moe"] = moe
-        else:
-            layer.update({"gate": (h, cfg.intermediate_size), "up": (h, cfg.intermediate_size),
-                          "down": (cfg.intermediate_size, h)})
-        layers.append(layer)
-    shapes: Params = {
-        "embed": (cfg.vocab_size, h),
-        "layers": layers,
-        "final_norm": (h,),
-    }
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (h, cfg.vocab_size)
-    return shapes
-
-
-def leaf_dtype(cfg: ModelConfig, key: str, dtype):
-    """Storage dtype of parameter ``key``: routing inputs that decide expert selection stay float32 (a bf16
-    expert bias or fp32-router weight would flip near-tied choices), everything else uses ``dtype``."""
-    if key == "expert_bias" or (key == "router" and cfg.router_fp32):
-        return jnp.float32
-    return dtype
-
-
-def param_dtypes(cfg: ModelConfig, dtype) -> Params:
-    """The pytree of :func:`param_shapes` with each leaf's storage dtype (see :func:`leaf_dtype`)."""
-    shapes = param_shapes(cfg)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    return jax.tree.unflatten(treedef, [leaf_dtype(cfg, _last_key(p), dtype) for p, _ in flat])
-
-
-def _last_key(path) -> str:
-    last = path[-1]
-    return str(getattr(last, "key", getattr(last, "idx", last)))
-
-
-def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
-    """Random parameters (norm weights one, biases zero, matrices N(0, std))."""
-    shapes = param_shapes(cfg)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    keys = jax.random.split(key, len(flat))
-    out = []
-    for (path, shape), k in zip(flat, keys):
-        name = _last_key(path)
-        leaf_type = leaf_dtype(cfg, name, dtype)
-        if "norm" in name:
-            out.append(jnp.ones(shape, leaf_type))
-        elif "bias" in name:
-            out.append(jnp.zeros(shape, leaf_type))
-        else:
-            out.append((std * jax.random.normal(k, shape, jnp.float32)).astype(leaf_type))
-    return jax.tree.unflatten(treedef, out)
-
-
-def lm_head_matrix(params: Params) -> jax.Array:
-    """``[H, V]``: the untied head or the transposed embedding (prefer :func:`logits_from_hidden`, which does not
-    transpose a tied embedding)."""
-    return params["lm_head"] if "lm_head" in params else params["embed"].T
-
-
-def linear(x, w):
-    """``x @ w`` accumulated in float32, returned in ``x``'s dtype. For float32 this is the plain product; for
-    bfloat16 it is what GPUs do anyway, and on XLA:CPU it is ~10x faster than a bf16-output dot (measured on a
-    1.7B-shaped layer: 1.5 ms vs 14 ms for 8 tokens)."""
-    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+from dllm_jax.model.moe import linear, moe_mlp, swiglu
+from dllm_jax.model.params import Params
 
 
 # ----------------------------------------------------------------------------------------------
@@ -376,6 +270,3 @@ def _layer_fns(cfg: ModelConfig, num_rows: int, chunk_len: int, block_size: int,
 
     return kv_fn, rest_fn
 
-
-def num_params(params: Params) -> int:
-    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(params)))

@@ -30,10 +30,11 @@ LLADA2_CHAT_TEMPLATE = (
 
 
 def default_chat_template(cfg: ModelConfig) -> str | None:
-    """The template to use when the tokenizer has none (None: keep none; the caller formats raw prompts)."""
-    if cfg.family == "llada2":
-        return LLADA2_CHAT_TEMPLATE
-    return None
+    """The template to use when the tokenizer has none (None: keep none; the caller formats raw prompts): the
+    model family's (:attr:`dllm_jax.model.family.ModelFamily.chat_template`)."""
+    from dllm_jax.model.family import family_of  # the families import this module
+
+    return family_of(cfg).chat_template
 
 
 def render_llada2_chat(messages: list[dict], add_generation_prompt: bool = True) -> str:

@@ -24,7 +24,7 @@ import numpy as np
 import optax
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.model.qwen3 import init_params
+from dllm_jax.model.params import init_params
 from dllm_jax.train import data as data_lib
 from dllm_jax.train import objective
 from dllm_jax.train import tokenizer as tok_lib
@@ -146,7 +146,7 @@ def restore_checkpoint(mgr, params, opt_state):
 
 def export_hf(params, cfg: ModelConfig, tokenizer, out_dir: str, card: dict | None = None) -> None:
     """A standard HF directory: config.json, model.safetensors, tokenizer files, generation_config.json."""
-    from dllm_jax.model.loader import save_hf
+    from dllm_jax.model.converted import save_hf
 
     os.makedirs(out_dir, exist_ok=True)
     save_hf(jax.device_get(params), cfg, out_dir)

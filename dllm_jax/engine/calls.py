@@ -1,0 +1,128 @@
+"""A device call, as the scheduler plans it and the runner runs it: its rows, in host terms, and its result.
+
+One round of the engine is plan -> run -> commit: :meth:`Scheduler.schedule` yields :class:`PrefillCall` /
+:class:`DenoiseCall` descriptions (rows, the requests they serve, pages reserved, the loop cap),
+:meth:`ModelRunner.run` executes one, and :meth:`Scheduler.process` commits its result (a :class:`DecodeOutput`,
+``None`` for a prefill, or :class:`Failed`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from dllm_jax.decode import rows as row_schema
+
+
+class RowError(Exception):
+    """Packing row ``index`` of a call failed (a value its field's dtype cannot hold, a table overflow): the
+    scheduler fails that row's request and runs the others."""
+
+    def __init__(self, index: int, error: Exception):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.index, self.error = index, error
+
+
+@dataclasses.dataclass
+class PrefillRow:
+    tokens: list[int]  # C_i complete blocks of real tokens
+    prefix_pages: list[int]  # every page before the chunk
+    write_pages: list[int]  # C_i pages
+
+
+@dataclasses.dataclass
+class DecodeRow:
+    """One request's row of a denoise call, as the scheduler describes it. Fields named as an input of
+    :mod:`dllm_jax.decode.rows` are written into the call as they are; the others are host concepts the runner
+    turns into inputs (the prefix pages into ``page_table`` and ``prefix_len``, ``penalty`` into the penalty
+    tables, ``chain_pages`` / ``stop_ids`` into the chaining tables)."""
+
+    tokens: np.ndarray  # [B]
+    immutable: np.ndarray  # [B] bool
+    prefix_pages: list[int]
+    write_page: int
+    steps_taken: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    rng_step: int
+    algo_state: dict[str, np.ndarray] | None
+    refresh: bool = False  # a folded block re-encoded for its exact KV (nothing to decode)
+    logprobs: int = -1  # -1: none; 0: the written tokens' log probabilities; k > 0: and the top k alternatives
+    penalty: "PenaltyRow | None" = None  # None: no penalty or bias
+    # Block chaining (FDFO): pages reserved for the row's next blocks (it may start one per page on the device) and
+    # the token ids that end its generation (at most CHAIN_STOP_IDS). Empty: the row does not chain.
+    chain_pages: list[int] = dataclasses.field(default_factory=list)
+    stop_ids: tuple[int, ...] = ()
+
+
+# The denoise inputs (dllm_jax/decode/rows.py) a DecodeRow carries by name: written into a call as they are.
+_ROW_ATTRIBUTES = tuple(f.name for f in row_schema.INPUTS if f.name in DecodeRow.__dataclass_fields__)
+
+
+@dataclasses.dataclass
+class PenaltyRow:
+    """A row's penalty inputs (see :mod:`dllm_jax.decode.penalties`)."""
+
+    history: list[int]  # prompt + committed outputs
+    prompt_len: int
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    min_new: int = 0
+    bias: tuple[tuple[int, float], ...] = ()
+    stop_ids: tuple[int, ...] = ()  # EOS and stop token ids (masked while fewer than min_new tokens are out)
+
+
+@dataclasses.dataclass
+class DecodeOutput:
+    tokens: np.ndarray  # [n, B]
+    done: np.ndarray  # [n] bool
+    steps: np.ndarray  # [n] int
+    states: list[dict[str, np.ndarray]]
+    fresh_kv: np.ndarray  # [n] bool: False for a block done by folding (its page needs a refresh row)
+    # With log probabilities: per position, the figures of the step of this call that last wrote it.
+    logprob: np.ndarray | None = None  # [n, B] f32
+    top_logprob: np.ndarray | None = None  # [n, B, 20] f32, most likely first
+    top_ids: np.ndarray | None = None  # [n, B, 20] int32
+    recorded: np.ndarray | None = None  # [n, B] bool
+    # Chaining: per row, the blocks completed before ``tokens``' block in this call (``chain_blocks[i]`` of them,
+    # oldest first) and the forwards each took. Zero blocks when the call did not chain.
+    chain_blocks: np.ndarray | None = None  # [n] int
+    chain_tokens: np.ndarray | None = None  # [n, C, B]
+    chain_steps: np.ndarray | None = None  # [n, C]
+    forwards: np.ndarray | None = None  # [n]: every forward that served the row in this call (chained blocks too)
+
+
+@dataclasses.dataclass
+class PrefillCall:
+    """Encode chunks of complete blocks: one row per request, ``pages[i]`` the pages ``reqs[i]``'s chunk fills."""
+
+    reqs: list
+    pages: list[list[int]]
+    rows: list[PrefillRow]
+
+
+@dataclasses.dataclass
+class DenoiseCall:
+    """Denoise steps over the decoding requests that can run now (``reqs``) after the refresh rows of folded
+    commits (``refresh``); ``chain_pages[id(req)]``: pages reserved for the blocks ``req`` may chain into."""
+
+    refresh: list
+    reqs: list
+    rows: list[DecodeRow]
+    loop_cap: int
+    chain_pages: dict[int, list[int]]
+
+    @property
+    def all_reqs(self) -> list:
+        return self.refresh + self.reqs  # in row order
+
+
+@dataclasses.dataclass
+class Failed:
+    """The result of a call that raised."""
+
+    error: BaseException

@@ -1,0 +1,145 @@
+"""What a request may be, checked on the way in: token ids, sampling params over the model's defaults, text, ids,
+and the :class:`Request` built from them (``Engine.make_request``). Bad input is a ``ValueError`` naming the field,
+raised before the request reaches the scheduler.
+
+:class:`RequestInputs` is a part of :class:`dllm_jax.Engine` (it reads the engine's model config, tokenizer,
+defaults and seed generator).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from typing import Callable
+
+import numpy as np
+
+from dllm_jax.engine.config import SAMPLING_DEFAULTS
+from dllm_jax.engine.request import Request
+from dllm_jax.engine.sampling import SamplingParams, check_text
+
+MAX_RID_CHARS = 256
+
+
+class RequestInputs:
+    def make_request(self, input_ids: list[int], sampling_params: dict | SamplingParams | None = None, *,
+                     rid: str | None = None, on_event: Callable | None = None,
+                     field: str = "input_ids", provisional: bool = False, stream: bool = False) -> Request:
+        """Validate one request (ValueError naming the field on bad input) and build it; does not enqueue."""
+        params = self._sampling_params(sampling_params)
+        # (The checks run at C speed over the ids first, as a prompt may hold thousands; the slow path names the
+        # offending one.)
+        if not isinstance(input_ids, (list, tuple)) or (
+                set(map(type, input_ids)) - {int} and not all(_is_int(t) for t in input_ids)):
+            raise ValueError(f"{field}: must be a list of integer token ids")
+        vocab = self.config.vocab_size
+        if input_ids and not (min(input_ids) >= 0 and max(input_ids) < vocab):
+            i, t = next((i, t) for i, t in enumerate(input_ids) if not 0 <= t < vocab)
+            raise ValueError(f"{field}[{i}]: token id {t} is outside the vocabulary [0, {vocab})")
+        first_block_end = (len(input_ids) // self.block_size + 1) * self.block_size
+        if first_block_end > self.context_length:
+            raise ValueError(f"{field}: the prompt has {len(input_ids)} tokens; with a block of {self.block_size} it "
+                             f"does not fit the context length {self.context_length}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("sampling_params.stop: stop strings need a tokenizer; this model has none")
+        if rid is not None:
+            if not isinstance(rid, str) or not rid or len(rid) > MAX_RID_CHARS:
+                raise ValueError(f"rid: must be a non-empty string of at most {MAX_RID_CHARS} characters")
+            check_text(rid, "rid")
+        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2 ** 32))
+        return Request(rid=rid or uuid.uuid4().hex, prompt_ids=list(map(int, input_ids)), params=params,
+                       seed=seed, on_event=on_event, provisional=provisional, stream=stream or provisional)
+
+    def _sampling_params(self, sampling_params) -> SamplingParams:
+        """Validated params over the model's defaults. Requests often share their params (a client's fixed
+        settings): those of scalar values are validated once and kept, keyed with each value's type (``True``
+        equals ``1`` but is not a valid ``max_new_tokens``)."""
+        merged = self._with_defaults(sampling_params)
+        key = None
+        if isinstance(merged, dict) and all(isinstance(k, str) and isinstance(v, _SCALARS) for k, v in merged.items()):
+            key = tuple(sorted((k, type(v), v) for k, v in merged.items()))
+            params = self._params_cache.get(key)
+            if params is not None:
+                return params
+        params = SamplingParams.from_dict(merged, vocab_size=self.config.vocab_size)
+        if key is not None and len(self._params_cache) < 4096:
+            self._params_cache[key] = params
+        return params
+
+    def _with_defaults(self, params):
+        """A request's sampling params over the model's defaults (generation_config.json): a key the request leaves
+        out, or sets to null, takes the default. A ready-made SamplingParams is used as given."""
+        if not self.default_sampling_params or not (params is None or isinstance(params, dict)):
+            return params
+        merged = dict(self.default_sampling_params)
+        merged.update({k: v for k, v in (params or {}).items() if v is not None or k not in merged})
+        return merged
+
+    def tokenize(self, text: str, field: str = "text") -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"{field}: must be a string, got {type(text).__name__}")
+        check_text(text, field, allow_nul=True)
+        if self.tokenizer is None:
+            raise ValueError(f"{field}: this model has no tokenizer; pass input_ids")
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def apply_chat_template(self, messages: list[dict] | str) -> str:
+        """The tokenizer's chat template with the generation prompt (a string is one user message)."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("messages: this model's tokenizer has no chat template")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def _inputs(self, prompt, input_ids):
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("prompt / input_ids: give exactly one of them")
+        if prompt is not None:
+            if isinstance(prompt, str):
+                return [self.tokenize(prompt, "prompt")], True
+            if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+                return [self.tokenize(p, f"prompt[{i}]") for i, p in enumerate(prompt)], False
+            raise ValueError("prompt: must be a string or a non-empty list of strings")
+        if isinstance(input_ids, list) and input_ids and all(isinstance(x, list) for x in input_ids):
+            return input_ids, False
+        if isinstance(input_ids, list):
+            return [input_ids], True
+        raise ValueError("input_ids: must be a list of token ids or a list of such lists")
+
+
+def sampling_defaults(model_path: str, mode: str, vocab_size: int) -> dict:
+    """The defaults a request's unset sampling params take: ``generation_config.json``'s (``"model"``; see
+    :func:`dllm_jax.model.generation.generation_defaults`) or none (``"none"``: SamplingParams' own, i.e. greedy)."""
+    from dllm_jax.model.generation import generation_defaults
+
+    if mode not in SAMPLING_DEFAULTS:
+        raise ValueError(f"sampling_defaults: must be one of {SAMPLING_DEFAULTS}, got {mode!r}")
+    if mode == "none":
+        return {}
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    defaults = {k: v for k, v in generation_defaults(model_path).items() if k in names}
+    try:
+        SamplingParams.from_dict(defaults, vocab_size=vocab_size, field_prefix="generation_config.json")
+    except ValueError as e:
+        raise ValueError(f"{os.path.join(model_path, 'generation_config.json')}: {e} (sampling_defaults='none' "
+                         f"ignores the file)") from None
+    return defaults
+
+
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def with_fields(params, extra: dict):
+    """Sampling params (a dict, a SamplingParams or None) with ``extra`` fields set."""
+
+    if isinstance(params, SamplingParams):
+        return SamplingParams.from_dict({**{f.name: getattr(params, f.name) for f in dataclasses.fields(params)},
+                                         **extra})
+    if params is not None and not isinstance(params, dict):
+        return params  # SamplingParams.from_dict names the field's error
+    return {**(params or {}), **extra}

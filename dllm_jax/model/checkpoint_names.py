@@ -1,0 +1,235 @@
+"""Checkpoint tensor names <-> our pytree, both ways, derived from the parameter table's names.
+
+A checkpoint tensor maps to one or more *parts* (:class:`Part`): a leaf of our pytree (``path``), optionally one
+expert row of a stacked ``[E, ...]`` leaf, and the conversion from the checkpoint's array (``[out, in]`` matrices
+transposed once; a fused tensor split in table order). Besides the names, a family's layout has a few rules of
+its own (:data:`LAYOUTS`): which names only a sparse (MoE) layer may hold, and which it refuses outright.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import numpy as np
+
+from dllm_jax.config import ModelConfig
+from dllm_jax.model.params import DENSE, LAYER, MOE, TABLES, TOP, Leaf, Params, get_leaf, param_table
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    path: tuple  # ("embed",), ("layers", i, "q"), ("layers", i, "moe", "gate")
+    expert: int | None  # None: the whole leaf; e: row e of a stacked [E, ...] leaf
+    convert: tuple  # a conversion spec (see convert): hashable, so one jitted function serves every tensor
+
+
+class Unsupported(Exception):
+    """A tensor this config cannot hold; the message completes "tensor 'NAME' ..."."""
+
+
+# Conversion specs, applied on the device (jnp) or to numpy arrays alike:
+#   ("id",)               as stored
+#   ("T",)                [out, in] -> [in, out]
+#   ("T3",)               [E, out, in] -> [E, in, out]
+#   ("rows", lo, hi, t)   rows lo:hi of a fused tensor (LLaDA2 query_key_value), transposed if t
+#   ("mid", lo, hi)       a[:, lo:hi] of a fused 3D expert tensor, then [E, in, out]
+ID, T, T3 = ("id",), ("T",), ("T3",)
+# Specs that act row by row along axis 0, so a large tensor can be converted in chunks of rows.
+CHUNKABLE = ("id", "T", "T3", "mid")
+
+
+def convert(spec: tuple, a):
+    kind = spec[0]
+    if kind == "id":
+        return a
+    if kind == "T":
+        return a.T
+    if kind == "T3":
+        return a.transpose(0, 2, 1)
+    if kind == "rows":
+        part = a[spec[1]:spec[2]]
+        return part.T if spec[3] else part
+    if kind == "mid":
+        return a[:, spec[1]:spec[2]].transpose(0, 2, 1)
+    raise AssertionError(spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A family's naming rules beyond the table's names (names relative to ``model.layers.{i}.``)."""
+
+    sparse_prefixes: tuple[str, ...]  # names only a sparse layer may hold (in a dense one: an error)
+    sparse_hint: str  # what to check when a dense layer holds them
+    dense_hint: bool = False  # name first_k_dense_replace when a sparse layer holds a dense MLP weight
+    refuse_mlp_bias: bool = False  # an ``mlp.*.bias`` tensor is refused (LLaDA2 has none; we support none)
+
+
+LAYOUTS = {
+    "qwen3": Layout(sparse_prefixes=("mlp.gate.weight", "mlp.experts."),
+                    sparse_hint="check num_experts, mlp_only_layers, decoder_sparse_step"),
+    "llada2": Layout(sparse_prefixes=("mlp.gate.", "mlp.experts.", "mlp.shared_experts."),
+                     sparse_hint="check num_experts, first_k_dense_replace", dense_hint=True, refuse_mlp_bias=True),
+}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_PREFIX = "model.layers.{i}."
+
+
+@dataclasses.dataclass(frozen=True)
+class _Index:
+    """A family's names, for lookup: exact names (fused leaves in table order) and per-expert patterns."""
+
+    top: dict[str, list[Leaf]]
+    layer: dict[str, list[Leaf]]  # LAYER, DENSE and MOE leaves, by name relative to the layer
+    experts: list[tuple[re.Pattern, Leaf]]
+
+
+@functools.lru_cache(maxsize=None)
+def _index(family: str) -> _Index:
+    top: dict[str, list[Leaf]] = {}
+    layer: dict[str, list[Leaf]] = {}
+    experts = []
+    for leaf in TABLES[family].leaves:
+        for name in leaf.hf_names(family):
+            if "{e}" in name:
+                experts.append((re.compile("^" + re.escape(name).replace(r"\{e\}", r"(\d+)") + "$"), leaf))
+            else:
+                (top if leaf.where == TOP else layer).setdefault(name, []).append(leaf)
+    return _Index(top, layer, experts)
+
+
+def _path(leaf: Leaf, layer: int | None) -> tuple:
+    if leaf.where == TOP:
+        return (leaf.key,)
+    return ("layers", layer, "moe", leaf.key) if leaf.where == MOE else ("layers", layer, leaf.key)
+
+
+def _hf_rows(cfg: ModelConfig, leaf: Leaf) -> int:
+    """The leaf's rows in a fused checkpoint tensor (its size along the checkpoint's out axis)."""
+    shape = leaf.shape_for(cfg)
+    return shape[-1] if leaf.hf_transposed else shape[0]
+
+
+def _parts(cfg: ModelConfig, leaves: list[Leaf], layer: int | None) -> list[Part]:
+    """The parts of one (non per-expert) checkpoint tensor that fills ``leaves`` (several: a fused tensor)."""
+    if len(leaves) == 1:
+        leaf = leaves[0]
+        stacked = leaf.where == MOE and len(leaf.shape) == 3
+        spec = (T3 if stacked else T) if leaf.hf_transposed else ID
+        return [Part(_path(leaf, layer), None, spec)]
+    parts, lo = [], 0
+    for leaf in leaves:
+        if leaf.where == MOE and len(leaf.shape) == 3:  # [E, out, in] tensors concatenated along out
+            hi = lo + leaf.shape_for(cfg)[2]
+            assert leaf.hf_transposed, leaf
+            parts.append(Part(_path(leaf, layer), None, ("mid", lo, hi)))
+        else:  # [out, in] (or [out]) tensors concatenated along out
+            hi = lo + _hf_rows(cfg, leaf)
+            parts.append(Part(_path(leaf, layer), None, ("rows", lo, hi, leaf.hf_transposed)))
+        lo = hi
+    return parts
+
+
+def hf_tensor_parts(cfg: ModelConfig, name: str) -> list[Part] | None:
+    """Where checkpoint tensor ``name`` goes in our pytree (None: not a model weight, e.g. rotary buffers).
+
+    Parts of leaves ``cfg``'s model does not have (biases it does not use, a tied head) are included: the caller
+    skips them. Raises :class:`Unsupported` for a tensor that contradicts config.json (e.g. expert weights in a
+    dense layer).
+    """
+    index = _index(cfg.family)
+    if name in index.top:
+        return _parts(cfg, index.top[name], None)
+    m = _LAYER_RE.match(name)
+    if not m:
+        return None
+    i, suffix = int(m.group(1)), m.group(2)
+    if i >= cfg.num_layers:
+        raise Unsupported(f"is for layer {i} but the config has {cfg.num_layers} layers")
+    layout = LAYOUTS[cfg.family]
+    if layout.refuse_mlp_bias and suffix.startswith("mlp.") and suffix.endswith(".bias"):
+        raise Unsupported("is an MLP bias; MLP biases are not supported (LLaDA2 checkpoints have none)")
+    sparse = cfg.is_moe_layer(i)
+    leaves = index.layer.get(suffix)
+    if leaves and leaves[0].where in (LAYER, DENSE):
+        if leaves[0].where == DENSE and sparse:
+            hint = f" (first_k_dense_replace={min(cfg.moe_layers)})" if layout.dense_hint else ""
+            raise Unsupported(f"is a dense MLP weight but config.json makes layer {i} a sparse (MoE) layer{hint}")
+        return _parts(cfg, leaves, i)
+    if not sparse and suffix.startswith(layout.sparse_prefixes):
+        raise Unsupported(f"is an expert/router weight but config.json makes layer {i} a dense layer "
+                          f"({layout.sparse_hint})")
+    if leaves:
+        return _parts(cfg, leaves, i)
+    for pattern, leaf in index.experts:
+        m = pattern.match(suffix)
+        if m:
+            return [Part(_path(leaf, i), int(m.group(1)), T if leaf.hf_transposed else ID)]
+    return None
+
+
+def expected_hf_shape(cfg: ModelConfig, shapes: Params, parts: list[Part]) -> tuple:
+    """The shape the checkpoint tensor must have for ``parts`` (from config.json), for the mismatch message."""
+    out = []
+    for part in parts:
+        leaf = tuple(get_leaf(shapes, part.path))
+        if part.expert is not None:
+            leaf = leaf[1:]
+        kind = part.convert[0]
+        if kind == "T" or (kind == "rows" and part.convert[3]):
+            leaf = tuple(reversed(leaf))
+        elif kind in ("T3", "mid"):
+            leaf = (leaf[0], leaf[2], leaf[1])
+        out.append(leaf)
+    if len(out) == 1:
+        return out[0]
+    axis = 1 if parts[0].convert[0] == "mid" else 0  # fused: concatenated along the checkpoint's out axis
+    return out[0][:axis] + (sum(s[axis] for s in out),) + out[0][axis + 1:]
+
+
+def hf_name_for(cfg: ModelConfig, path: tuple, expert: int | None = None) -> str:
+    """The checkpoint tensor name that fills our leaf ``path`` (row ``expert`` of a stacked leaf): for messages."""
+    leaf = param_table(cfg).leaf(path)
+    names = leaf.hf_names(cfg.family)
+    if not names:
+        return ".".join(str(p) for p in path) + f" (no {cfg.family} checkpoint name)"
+    name = names[0].replace("{e}", "*" if expert is None else str(expert))
+    return name if leaf.where == TOP else _PREFIX.format(i=path[1]) + name
+
+
+def params_to_hf(params: Params, cfg: ModelConfig | None = None) -> dict[str, np.ndarray]:
+    """Our pytree -> checkpoint state dict (numpy, ``[out, in]`` matrices) in the layout of ``cfg``'s family.
+
+    Without ``cfg`` the Qwen3 layout is written. MoE experts are written one tensor per expert (what
+    transformers' ``save_pretrained`` writes); fused tensors (LLaDA2's ``query_key_value``) are fused back.
+    """
+    family = cfg.family if cfg is not None else "qwen3"
+    table = param_table(cfg)
+    groups: dict[str, list[np.ndarray]] = {}  # name -> its parts, in table order (several: a fused tensor)
+
+    def hf_layout(leaf: Leaf, a: np.ndarray) -> np.ndarray:  # ours -> the checkpoint's [out, in] ([E, out, in])
+        return (a.swapaxes(-1, -2) if a.ndim > 1 else a) if leaf.hf_transposed else a
+
+    def walk(tree, layer: int | None, wheres):
+        for leaf in table.leaves:
+            if leaf.where not in wheres or leaf.key not in tree or not leaf.hf_names(family):
+                continue
+            name = leaf.hf_names(family)[0]
+            prefix = "" if layer is None else _PREFIX.format(i=layer)
+            a = np.asarray(tree[leaf.key])
+            if "{e}" in name:
+                for e in range(a.shape[0]):
+                    groups.setdefault(prefix + name.replace("{e}", str(e)), []).append(hf_layout(leaf, a[e]))
+            else:
+                groups.setdefault(prefix + name, []).append(hf_layout(leaf, a))
+
+    walk(params, None, (TOP,))
+    for i, layer in enumerate(params["layers"]):
+        walk(layer, i, (LAYER, DENSE))
+        if "moe" in layer:
+            walk(layer["moe"], i, (MOE,))
+    # A fused tensor concatenates its parts along the checkpoint's out axis (after the expert axis, if stacked).
+    return {name: np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=parts[0].ndim - 2))
+            for name, parts in groups.items()}
+

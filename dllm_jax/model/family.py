@@ -1,0 +1,180 @@
+"""Model families: everything one kind of checkpoint brings to the engine, named in one place.
+
+A :class:`ModelFamily` says which Hugging Face ``architectures`` / ``model_type`` values it claims and provides:
+
+* **config parsing**: its fields of :class:`~dllm_jax.config.ModelConfig` from a ``config.json`` dict
+  (``parse_fields``; :meth:`ModelFamily.parse` gives the whole config);
+* **its parameter table** (:mod:`dllm_jax.model.params`): shapes, sharding axes, dtypes, checkpoint names; the
+  loader, the sharding plan and the initialiser find it through :func:`family_of`;
+* **its device functions**, pure and traced inside the jitted step (:mod:`dllm_jax.decode.step`):
+  ``forward_chunk`` (prefill: encode complete blocks, write their K/V), ``forward_chunk_kv`` (the part of a denoise
+  forward that writes K/V: all a commit forward runs), ``forward_chunk_rest`` (the rest of a denoise forward: the
+  hidden states) and ``logits_from_hidden`` (the head);
+* **its KV layout per layer** (``kv_layout(cfg)``: one :class:`LayerKV` per layer), from which the page pool and
+  the bytes of one page derive (:func:`dllm_jax.decode.step.init_kv_pages`, ``kv_bytes_per_page``);
+* **its default algorithm** and the per-row algorithm state a block starts with (``init_state``);
+* **its chat template** for tokenizers that ship none, and its default block size.
+
+The lookup (:func:`family_of`) is plain Python on hashable static data (a config's ``architecture``): the step
+does it at trace time, so routing through a family adds no jit argument and changes no compiled program.
+
+Registered: SDAR / Qwen3 dense, SDAR-MoE (Qwen3-MoE) and LLaDA2. The three run one decoder
+(:mod:`dllm_jax.model.qwen3`) and one parameter table; they differ in the checkpoint names (``checkpoint_layout``),
+the config fields they parse, the default block size and the chat template. A new family (DiffusionGemma, see
+``docs/architecture.md``) registers its own instance with :func:`register_family`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from dllm_jax import config as config_module
+from dllm_jax.config import ConfigError, ModelConfig
+from dllm_jax.model import qwen3
+from dllm_jax.model.params import DECODER, ParamTable
+from dllm_jax.model.templates import LLADA2_CHAT_TEMPLATE
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKV:
+    """What one layer keeps in the KV page pool: a K and a V array ``[kv_heads, pages, B, head_dim]`` each."""
+
+    kv_heads: int
+    head_dim: int
+    dtype: Any = None  # stored dtype; None: the engine's KV dtype (``kv_dtype``)
+    window: int | None = None  # a sliding-window layer never reads keys older than this (None: full attention)
+
+
+def uniform_kv_layout(cfg: ModelConfig) -> tuple[LayerKV, ...]:
+    """Every layer alike: ``num_kv_heads`` heads of ``head_dim``, full attention, the pool's dtype."""
+    return (LayerKV(cfg.num_kv_heads, cfg.head_dim),) * cfg.num_layers
+
+
+def algorithm_state(cfg: ModelConfig, algorithm, num_rows: int, block_size: int):
+    """The per-row state a block starts with: the algorithm's own (a family with per-row model state, e.g.
+    self-conditioning, adds its leaves here)."""
+    return algorithm.init_state(num_rows, block_size)
+
+
+def _qwen3_fields(hf: dict, num_layers: int, head_dim: int, source: str) -> dict:
+    return config_module._qwen3_fields(hf, num_layers, source)
+
+
+def _llada2_fields(hf: dict, num_layers: int, head_dim: int, source: str) -> dict:
+    return config_module._llada2_fields(hf, num_layers, head_dim, source)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # identity equality and hash: a family is a registered singleton
+class ModelFamily:
+    name: str
+    architectures: tuple[str, ...]  # HF ``architectures[0]`` values it claims
+    model_types: tuple[str, ...]  # HF ``model_type`` values it claims (a config without ``architectures``)
+    # config.json -> this family's ModelConfig fields: (hf dict, num_layers, head_dim, source) -> fields
+    parse_fields: Callable[[dict, int, int, str], dict]
+    param_table: ParamTable
+    checkpoint_layout: str  # the table's checkpoint-name column (ModelConfig.family)
+    # Device functions, signatures of dllm_jax.model.qwen3's: prefill, the K/V half of a denoise / commit
+    # forward, its other half, the head.
+    forward_chunk: Callable
+    forward_chunk_kv: Callable
+    forward_chunk_rest: Callable
+    logits_from_hidden: Callable
+    kv_layout: Callable[[ModelConfig], tuple[LayerKV, ...]] = uniform_kv_layout
+    default_algorithm: str = "LowConfidence"  # dllm_jax.decode.algorithms.ALGORITHMS name
+    init_state: Callable = algorithm_state  # (cfg, algorithm, num_rows, block_size) -> per-row state
+    chat_template: str | None = None  # used when the tokenizer ships none (None: prompts stay raw)
+    default_block_size: int = config_module.DEFAULT_SDAR_BLOCK_SIZE
+
+    def parse(self, hf: dict, source: str = "config.json") -> ModelConfig:
+        """The config of a ``config.json`` dict this family claims (validated, errors naming the field)."""
+        if family_of(hf, source=source) is not self:
+            raise ConfigError(f"{source}: {_describe(hf)} belongs to another family than {self.name}")
+        return ModelConfig.from_hf_dict(hf, source=source)
+
+    def make_algorithm(self, name: str | None = None, config: dict | None = None, *, model_config=None):
+        """An algorithm by name (None: the family's default), as :func:`dllm_jax.decode.algorithms.make_algorithm`."""
+        from dllm_jax.decode.algorithms import make_algorithm
+
+        return make_algorithm(name or self.default_algorithm, config, model_config=model_config)
+
+    def __repr__(self) -> str:
+        return f"ModelFamily({self.name!r})"
+
+
+_DEVICE_FUNCTIONS = dict(forward_chunk=qwen3.forward_chunk, forward_chunk_kv=qwen3.forward_chunk_kv,
+                         forward_chunk_rest=qwen3.forward_chunk_rest, logits_from_hidden=qwen3.logits_from_hidden)
+
+SDAR = ModelFamily(
+    name="sdar", architectures=("Qwen3ForCausalLM", "SDARForCausalLM"), model_types=("qwen3", "sdar"),
+    parse_fields=_qwen3_fields, param_table=DECODER, checkpoint_layout="qwen3", **_DEVICE_FUNCTIONS)
+SDAR_MOE = ModelFamily(
+    name="sdar_moe", architectures=("Qwen3MoeForCausalLM", "SDARMoeForCausalLM"), model_types=("qwen3_moe", "sdar_moe"),
+    parse_fields=_qwen3_fields, param_table=DECODER, checkpoint_layout="qwen3", **_DEVICE_FUNCTIONS)
+LLADA2 = ModelFamily(
+    name="llada2", architectures=config_module.LLADA2_ARCHITECTURES, model_types=config_module.LLADA2_MODEL_TYPES,
+    parse_fields=_llada2_fields, param_table=DECODER, checkpoint_layout="llada2", chat_template=LLADA2_CHAT_TEMPLATE,
+    default_block_size=config_module.DEFAULT_LLADA2_BLOCK_SIZE, **_DEVICE_FUNCTIONS)
+
+_FAMILIES: list[ModelFamily] = []
+_BY_ARCHITECTURE: dict[str, ModelFamily] = {}
+_BY_MODEL_TYPE: dict[str, ModelFamily] = {}
+
+
+def register_family(family: ModelFamily) -> ModelFamily:
+    """Add a family; an architecture or model_type another family already claims is a ValueError."""
+    for value, index, what in [(a, _BY_ARCHITECTURE, "architecture") for a in family.architectures] + \
+                               [(t, _BY_MODEL_TYPE, "model_type") for t in family.model_types]:
+        if value in index and index[value] is not family:
+            raise ValueError(f"model family {family.name}: {what} '{value}' is already claimed by {index[value].name}")
+    if family not in _FAMILIES:
+        _FAMILIES.append(family)
+    _BY_ARCHITECTURE.update(dict.fromkeys(family.architectures, family))
+    _BY_MODEL_TYPE.update(dict.fromkeys(family.model_types, family))
+    return family
+
+
+def unregister_family(family: ModelFamily) -> None:
+    """Remove a family registered with :func:`register_family` (tests)."""
+    _FAMILIES.remove(family)
+    for index in (_BY_ARCHITECTURE, _BY_MODEL_TYPE):
+        for key in [k for k, f in index.items() if f is family]:
+            del index[key]
+
+
+def families() -> tuple[ModelFamily, ...]:
+    return tuple(_FAMILIES)
+
+
+for _family in (SDAR, SDAR_MOE, LLADA2):
+    register_family(_family)
+
+
+def family_of(model: ModelConfig | dict, *, source: str = "config.json") -> ModelFamily:
+    """The family of a :class:`ModelConfig` (by its architecture) or of a ``config.json`` dict (by
+    ``architectures[0]``, else ``model_type``). None claims it: a :class:`~dllm_jax.config.ConfigError` (a
+    ValueError) naming the architecture and the registered ones."""
+    if isinstance(model, ModelConfig):
+        family = _BY_ARCHITECTURE.get(model.architecture)
+        if family is None:
+            raise ConfigError(f"{_unclaimed(f'architecture {model.architecture!r}')} (model_type "
+                              f"{model.model_type!r})")
+        return family
+    archs = model.get("architectures") or []
+    if archs:
+        family = _BY_ARCHITECTURE.get(archs[0])
+    else:
+        family = _BY_MODEL_TYPE.get(model.get("model_type"))
+    if family is None:
+        raise ConfigError(f"{source}: {_unclaimed(_describe(model))}")
+    return family
+
+
+def _describe(hf: dict) -> str:
+    archs = hf.get("architectures") or []
+    return f"architecture {archs[0]!r}" if archs else f"model_type {hf.get('model_type')!r}"
+
+
+def _unclaimed(what: str) -> str:
+    return (f"no model family claims {what}; supported architectures: "
+            f"{', '.join(a for f in _FAMILIES for a in f.architectures)}")

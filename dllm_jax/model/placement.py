@@ -1,0 +1,332 @@
+"""Streaming a checkpoint's tensors into device arrays: each tensor planned (which leaf, which conversion), read
+from the memory-mapped file, converted on the device (transpose, split, cast) and placed with its sharding.
+
+The plan of a checkpoint tensor comes from :mod:`dllm_jax.model.checkpoint_names` (published layouts) or from the
+pytree path it is named by (a ``dllm-jax convert`` output). Peak memory is the model plus a few tensors in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import mmap
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dllm_jax.config import ModelConfig
+from dllm_jax.model.checkpoint_names import (CHUNKABLE, ID, Part, Unsupported, convert, expected_hf_shape,
+                                             hf_name_for, hf_tensor_parts)
+from dllm_jax.model.converted import ORBAX_MARKER, ORBAX_PARAMS_DIR
+from dllm_jax.model.errors import CheckpointError
+from dllm_jax.model.params import (Params, axes_key, get_leaf, has_leaf, key_path, name_path, param_dtypes,
+                                   param_shapes, param_table, path_name, set_leaf)
+from dllm_jax.model.safetensors_io import SafetensorsFile, TensorInfo, safetensor_files
+
+# A tensor that needs a conversion (transpose, split, cast) larger than this is converted in chunks of rows
+# written into a donated output, so the conversion's temporary memory stays about this small.
+CHUNK_BYTES = 64 << 20
+# Conversions dispatched to the device before the loader waits for the oldest one: enough to keep the device
+# busy while Python prepares the next tensor, few enough that the inputs in flight stay small.
+MAX_IN_FLIGHT = 2
+NORM_HEAD_EPS = 1e-7  # ``norm_head``: F.normalize's eps
+
+
+def _owned(view: np.ndarray) -> np.ndarray:
+    """What to hand XLA:CPU for an array on the mapped file so that the device array is a copy, made once.
+
+    XLA:CPU adopts a 64-byte aligned host array as is (``device_put``'s ``may_alias=False`` does not stop it) and
+    copies any other. An unaligned view is therefore passed as it is (XLA copies it); an aligned one is first copied
+    into page-aligned anonymous memory, which XLA then adopts. Either way: one copy, none of the file aliased."""
+    if view.ctypes.data % 64:
+        return view
+    m = mmap.mmap(-1, max(view.nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    out = np.frombuffer(m, view.dtype, view.size).reshape(view.shape)
+    np.copyto(out, view)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _convert_fn(spec: tuple, dtype):
+    """The jitted conversion ``spec`` then cast (one function per spec; jit caches per shape)."""
+    return jax.jit(lambda a: convert(spec, a).astype(dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _update_fn(spec: tuple):
+    """Write converted rows ``r0:`` of a chunked tensor into ``out`` in place (donated)."""
+    def update(out, chunk, r0):
+        value = convert(spec, chunk).astype(out.dtype)
+        starts = [jnp.zeros((), jnp.int32)] * out.ndim
+        starts[1 if spec[0] == "T" else 0] = r0
+        return jax.lax.dynamic_update_slice(out, value, starts)
+    return jax.jit(update, donate_argnums=0)
+
+
+@functools.lru_cache(maxsize=None)
+def _set_expert_fn(spec: tuple):
+    """Write one expert's converted matrix into row ``e`` of its stacked leaf in place (donated)."""
+    return jax.jit(lambda stack, a, e: stack.at[e].set(convert(spec, a).astype(stack.dtype)), donate_argnums=0)
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros_fn(shape: tuple, dtype, sharding):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _normalize_head_device(lm_head, dtype):
+    """``norm_head``: each hidden unit's vocabulary vector of our ``[H, V]`` head L2-normalised (HF's
+    ``F.normalize(lm_head.weight [V, H], dim=0, eps=1e-7)``, as SGLang / Bailing apply it at load); float32 in,
+    ``dtype`` out."""
+    a = lm_head.astype(jnp.float32)
+    return (a / jnp.maximum(jnp.linalg.norm(a, axis=1, keepdims=True), NORM_HEAD_EPS)).astype(dtype)
+
+
+@dataclasses.dataclass
+class _Job:
+    """One read: a whole tensor, or rows ``first_row : first_row + rows`` of it (a chunk of a large conversion)."""
+    st: SafetensorsFile
+    name: str
+    info: TensorInfo
+    parts: list  # the _Parts this tensor fills
+    targets: list  # their storage dtypes
+    mode: str  # "whole" (used as stored: copied) | "convert" | "chunk" | "expert" (converted on the device)
+    first_row: int = 0
+    rows: int | None = None  # None: all of it
+    last: bool = True  # the tensor's last chunk
+
+    @property
+    def shape(self) -> tuple:
+        return self.info.shape if self.rows is None else (self.rows,) + self.info.shape[1:]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.info.dtype.itemsize
+
+    def view(self) -> np.ndarray:
+        return self.st.view(self.name, self.first_row, self.rows)
+
+    def prefetch(self) -> None:
+        self.st.prefetch(self.name, self.first_row, self.rows)
+
+    def release(self) -> None:
+        self.st.release(self.name, self.first_row, self.rows)
+
+
+class _Placer:
+    """Turns jobs' mapped host arrays into device arrays of the target dtype (and sharding).
+
+    * A tensor stored as the model uses it (same layout and dtype) is copied from the mapping into its device
+      buffer, never aliasing the file (XLA:CPU would adopt a 64-byte aligned mapping as is): a checkpoint rewritten
+      while the engine runs must not change or crash it.
+    * A tensor that needs a conversion (transpose ``[out, in] -> [in, out]``, a split of a fused tensor, a dtype
+      cast) is converted on the device by a jitted function reading the mapping; above ``CHUNK_BYTES`` it goes in
+      chunks of rows written into a donated output, so the extra memory is a chunk.
+    * Expert matrices are written into their stacked ``[E, ...]`` leaf in place (donated updates).
+    Each job's mapped range is released from the process once its device work is done, so peak memory is the
+    model plus the few tensors in flight.
+    """
+
+    def __init__(self, cfg: ModelConfig, mesh=None):
+        self.cfg = cfg
+        self.mesh = mesh
+        self.pending: dict[tuple, Any] = {}  # (chunked tensor, leaf) -> its output being filled
+        self.stacks: dict[tuple, Any] = {}  # stacked expert leaf path -> device array being filled
+        self.filled: dict[tuple, set] = {}  # ... -> experts written so far
+        self.in_flight: list[tuple[_Job, list]] = []  # dispatched jobs and the device arrays to wait for
+        device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+        self.host_platform = device.platform == "cpu"  # device arrays live in host memory
+
+    def sharding(self, path: tuple, shape: tuple):
+        if self.mesh is None:
+            return None
+        from jax.sharding import NamedSharding
+
+        from dllm_jax.sharding import PARAM_AXES, spec_for
+
+        return NamedSharding(self.mesh, spec_for(PARAM_AXES[axes_key(path)], shape, self.cfg, self.mesh))
+
+    def place(self, job: _Job, shapes: Params, params: Params) -> None:
+        host = job.view()
+        outputs = []
+        if job.mode == "whole":
+            part = job.parts[0]
+            sharding = self.sharding(part.path, job.info.shape)
+            if self.host_platform:  # one copy out of the mapped file, never an alias of it
+                out = jax.device_put(_owned(host))
+                out = out if sharding is None else jax.device_put(out, sharding)
+            else:
+                out = jax.device_put(host, sharding)
+            set_leaf(params, part.path, out)
+            outputs.append(out)
+        for part, target in zip(job.parts, job.targets) if job.mode != "whole" else ():
+            leaf_shape = get_leaf(shapes, part.path)
+            if job.mode == "expert":
+                if part.path not in self.stacks:
+                    self.stacks[part.path] = _zeros_fn(leaf_shape, target, self.sharding(part.path, leaf_shape))()
+                    self.filled[part.path] = set()
+                out = _set_expert_fn(part.convert)(self.stacks[part.path], host, jnp.int32(part.expert))
+                self.stacks[part.path] = out
+                self.filled[part.path].add(part.expert)
+            elif job.mode == "chunk":
+                out = self.pending.pop((job.name, part.path), None)
+                if out is None:
+                    out = _zeros_fn(leaf_shape, target, self.sharding(part.path, leaf_shape))()
+                out = _update_fn(part.convert)(out, host, jnp.int32(job.first_row))
+                if job.last:
+                    set_leaf(params, part.path, out)
+                else:
+                    self.pending[(job.name, part.path)] = out
+            else:
+                out = _convert_fn(part.convert, target)(host)
+                sharding = self.sharding(part.path, leaf_shape)
+                if sharding is not None:
+                    out = jax.device_put(out, sharding)
+                set_leaf(params, part.path, out)
+            outputs.append(out)
+        del host
+        self.in_flight.append((job, outputs))
+        while len(self.in_flight) > MAX_IN_FLIGHT:
+            self.retire()
+
+    def retire(self) -> None:
+        """Wait for the oldest dispatched job, then drop its mapped pages from the process."""
+        job, outputs = self.in_flight.pop(0)
+        for out in outputs:
+            with contextlib.suppress(RuntimeError):  # donated away by a later update: that one is waited for
+                out.block_until_ready()
+        job.release()
+
+    def finish(self) -> None:
+        while self.in_flight:
+            self.retire()
+
+
+def load_safetensors_params(model_dir: str, cfg: ModelConfig, dtype, *, progress: bool = False,
+                            mesh=None, ours: bool = False) -> Params:
+    """Stream the checkpoint's tensors into device arrays of ``dtype`` (routing leaves: float32, see the table).
+
+    Shards are memory-mapped and read one tensor at a time (see :class:`_Placer`): no float32 host copy, no second
+    copy of the model; the process's peak memory is the model plus a few tensors. With ``mesh`` each leaf is
+    placed with its :mod:`dllm_jax.sharding` layout as it is loaded. ``progress`` shows a bar (bytes read).
+    ``ours``: the shards of a converted directory (``dllm-jax convert``), named and laid out as our pytree.
+    """
+    from tqdm import tqdm
+
+    shapes = param_shapes(cfg)
+    dtypes = param_dtypes(cfg, dtype)
+    params: Params = {"layers": [dict() for _ in range(cfg.num_layers)]}
+    placer = _Placer(cfg, mesh)
+    paths = safetensor_files(model_dir)
+    if not paths:
+        raise CheckpointError(f"{model_dir}: no model.safetensors or safetensors index found (nor a converted "
+                              f"'{ORBAX_PARAMS_DIR}/' with its {ORBAX_MARKER})")
+    files = [SafetensorsFile(path) for path in paths]  # every header first: fail early
+    try:
+        plan = _plan_ours if ours else _plan
+        jobs = [job for st in files for name, info in st.tensors.items()
+                for job in plan(st, name, info, cfg, shapes, dtypes)]
+        total = sum(info.nbytes for st in files for info in st.tensors.values())
+        with tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, disable=not progress,
+                  leave=False) as bar:
+            for k, job in enumerate(jobs):
+                if k + 1 < len(jobs):
+                    jobs[k + 1].prefetch()
+                placer.place(job, shapes, params)
+                bar.update(job.nbytes)
+            placer.finish()
+            bar.update(total - bar.n)  # tensors the model does not use (rotary buffers, a tied lm_head)
+    finally:
+        placer.in_flight.clear()
+        for st in files:
+            st.close()
+    for leaf_path, stack in placer.stacks.items():
+        if len(placer.filled[leaf_path]) == get_leaf(shapes, leaf_path)[0]:
+            set_leaf(params, leaf_path, stack)
+    if cfg.norm_head and "lm_head" in params and not ours:  # a converted head is stored normalised
+        params["lm_head"] = _normalize_head_device(params["lm_head"], jnp.dtype(get_leaf(dtypes, ("lm_head",))))
+    _check_complete(params, shapes, cfg, model_dir, placer.filled, ours=ours)
+    return params
+
+
+def _plan(st: SafetensorsFile, name: str, info: TensorInfo, cfg: ModelConfig, shapes: Params,
+          dtypes: Params) -> list[_Job]:
+    """The reads that load tensor ``name`` (none if the model does not use it); shape errors surface here."""
+    path = st.path
+    try:
+        parts = hf_tensor_parts(cfg, name)
+    except Unsupported as e:
+        raise CheckpointError(f"{path}: tensor '{name}' {e}") from None
+    parts = [p for p in parts or () if has_leaf(shapes, p.path)]
+    if not parts:  # not a weight (rotary buffers), a tied lm_head, or biases the config does not use
+        return []
+    expected = expected_hf_shape(cfg, shapes, parts)
+    if info.shape != expected:
+        raise CheckpointError(f"{path}: tensor '{name}' has shape {info.shape}, expected {expected} "
+                              f"from config.json")
+    targets = []
+    for part in parts:
+        target = jnp.dtype(get_leaf(dtypes, part.path))
+        if part.path == ("lm_head",) and cfg.norm_head:
+            target = jnp.dtype(jnp.float32)  # normalised in float32 after loading, then cast
+        if part.expert is not None and part.expert >= get_leaf(shapes, part.path)[0]:
+            raise CheckpointError(f"{path}: tensor '{name}' is for expert {part.expert} but the config has "
+                                  f"num_experts={get_leaf(shapes, part.path)[0]}")
+        targets.append(target)
+    if parts[0].expert is not None:
+        return [_Job(st, name, info, parts, targets, "expert")]
+    return _jobs(st, name, info, parts, targets)
+
+
+def _plan_ours(st: SafetensorsFile, name: str, info: TensorInfo, cfg: ModelConfig, shapes: Params,
+               dtypes: Params) -> list[_Job]:
+    """Jobs for a tensor of a converted directory: named by its pytree path (``layers.3.moe.gate``), stored in our
+    layout, so it is used as stored (a dtype cast at most)."""
+    path = name_path(name)
+    if not has_leaf(shapes, path) or not isinstance(get_leaf(shapes, path), tuple):
+        raise CheckpointError(f"{st.path}: tensor '{name}' is not a parameter of the model config.json describes")
+    expected = tuple(get_leaf(shapes, path))
+    if info.shape != expected:
+        raise CheckpointError(f"{st.path}: tensor '{name}' has shape {info.shape}, expected {expected} from "
+                              f"config.json")
+    return _jobs(st, name, info, [Part(path, None, ID)], [jnp.dtype(get_leaf(dtypes, path))])
+
+
+def _jobs(st: SafetensorsFile, name: str, info: TensorInfo, parts: list[Part], targets: list) -> list[_Job]:
+    """A tensor used as stored is copied whole; one that needs a conversion is converted whole, or above
+    ``CHUNK_BYTES`` in chunks of rows (when every part's conversion acts row by row)."""
+    if len(parts) == 1 and parts[0].convert == ID and info.dtype == targets[0]:
+        return [_Job(st, name, info, parts, targets, "whole")]
+    rows = info.shape[0] if info.shape else 1
+    if info.nbytes <= CHUNK_BYTES or rows < 2 or any(p.convert[0] not in CHUNKABLE for p in parts):
+        return [_Job(st, name, info, parts, targets, "convert")]
+    per_chunk = max(1, CHUNK_BYTES // (info.nbytes // rows))
+    return [_Job(st, name, info, parts, targets, "chunk", r0, min(per_chunk, rows - r0), r0 + per_chunk >= rows)
+            for r0 in range(0, rows, per_chunk)]
+
+
+def _check_complete(params: Params, shapes: Params, cfg: ModelConfig, model_dir: str,
+                    expert_rows: dict | None = None, ours: bool = False) -> None:
+    flat, _ = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    names: list[str] = []
+    table = param_table(cfg)
+    for tree_path, shape in flat:
+        path = key_path(tree_path)
+        if has_leaf(params, path):
+            continue
+        if ours:
+            names.append(path_name(path))
+        elif "{e}" in "".join(table.leaf(path).hf_names(cfg.family)[:1]):  # one tensor per expert
+            seen = (expert_rows or {}).get(path, ())
+            names += [hf_name_for(cfg, path, e) for e in range(shape[0]) if e not in seen]
+        else:
+            names.append(hf_name_for(cfg, path))
+    names = list(dict.fromkeys(names))  # fused q/k/v name once
+    if names:
+        raise CheckpointError(f"{model_dir}: checkpoint is missing tensors: {', '.join(names[:8])}"
+                              + (" ..." if len(names) > 8 else ""))
+
