@@ -53,7 +53,8 @@ class FakeRunner:
         self.calls: list = []
         self.waiting_keys = set(waiting_keys)  # keys "compiling in the background"
         self.compiler = types.SimpleNamespace(compiles_in_background=lambda key: key in self.waiting_keys,
-                                              compile_soon=lambda key: None, wait=lambda timeout: None)
+                                              compile_soon=lambda key: None, wait=lambda timeout: None,
+                                              background=True, warmed_classes={"plain"})
 
     def can_chain(self, rows: int) -> bool:
         return False

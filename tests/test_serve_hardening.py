@@ -10,8 +10,11 @@ set, a short ``--body-timeout`` and room for a 10,000-prompt batch; generations 
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import json
 import os
+import random
 import socket
 import statistics
 import threading
@@ -326,3 +329,44 @@ def test_big_batch_does_not_freeze_the_server(server, client):
     assert "capacity" in r.json()["error"]["message"] and time.perf_counter() - t0 < 2
     r = client.post("/v1/completions", json={"prompt": ["hi"] * 80, "n": 128, "max_tokens": 1})
     assert_error(r, 400, "n")
+
+
+def test_generated_bad_input_hurts_no_request(server):
+    """310 generated bad inputs across the endpoints while long requests stream: no 5xx, no hang, every 4xx a
+    JSON error (400s naming a field), the long requests untouched (tests/serve_fuzz.py)."""
+    from serve_fuzz import LONG_PROMPTS, TIMEOUT, _bodies, _long
+
+    base = server["base"]
+    model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+    longs = [(p, chat) for p in LONG_PROMPTS for chat in (False, True)]
+    alone = [_long(base, p, chat) for p, chat in longs]
+    cases = _bodies(random.Random(34), model)
+    assert len(cases) >= 300
+    counts, bad = collections.Counter(), []
+    with concurrent.futures.ThreadPoolExecutor(len(longs)) as pool, \
+            httpx.Client(base_url=base, timeout=TIMEOUT) as client:
+        running = [pool.submit(_long, base, p, chat) for p, chat in longs]
+        for method, path, body, headers in cases:
+            headers = {"Content-Type": "application/json", **headers}
+            try:
+                r = client.request(method, path, content=body, headers=headers)
+            except httpx.TimeoutException:
+                counts["hang"] += 1
+                bad.append((path, body[:200] if body else None, "hang"))
+                continue
+            counts[f"{r.status_code // 100}xx"] += 1
+            if r.status_code >= 500:
+                bad.append((path, body[:200] if body else None, r.status_code, r.text[:300]))
+            elif r.status_code >= 400:
+                err = r.json().get("error", {})
+                if not err.get("message") or (r.status_code == 400 and not err.get("param")):
+                    bad.append((path, body[:200] if body else None, r.status_code, r.text[:300]))
+            elif r.status_code == 200 and r.headers.get("content-type", "").startswith("text/event-stream"):
+                assert "data: [DONE]" in r.text
+        together = [f.result() for f in running]
+    print(f"\n{len(cases)} generated inputs: {dict(counts)}")
+    assert not bad, bad[:10]
+    assert counts["hang"] == 0 and counts["5xx"] == 0
+    assert together == alone  # the long requests, untouched
+    load = httpx.get(base + "/internal/load").json()
+    assert load["running_requests"] == 0 and load["kv_pages_locked"] == 0, load

@@ -353,14 +353,17 @@ class Scheduler(CommitMixin):
         penalties or sampling). Then that call compiles on the runner's background thread, and until it is
         ready the largest group of rows whose own call is compiled runs (plain rows keep being served); the rest
         wait, their block and state kept. An engine without warm-up compiles in line, as it always did."""
+        compiler = self.runner.compiler
+        if not reqs or not compiler.background or not compiler.warmed_classes:
+            return reqs  # an engine that compiles in line (no warm-up, or followers): nothing to wait for
         key = self._call_key(reqs, refresh)
-        if not reqs or not self.runner.compiler.compiles_in_background(key):
+        if not compiler.compiles_in_background(key):
             return reqs
-        self.runner.compiler.compile_soon(key)
+        compiler.compile_soon(key)
         best: list[Request] = []
         for need in {self._need(r) for r in reqs}:
             group = [r for r in reqs if all(a or not b for a, b in zip(need, self._need(r)))]  # needs within
-            if len(group) > len(best) and not self.runner.compiler.compiles_in_background(
+            if len(group) > len(best) and not compiler.compiles_in_background(
                     self._call_key(group, refresh)):
                 best = group
         return best

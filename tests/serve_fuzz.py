@@ -1,5 +1,5 @@
-"""Generated bad input against a real server while long requests stream (issue 34: one bad request must never
-hurt another).
+"""Generated bad input for a real server (tests/test_serve_hardening.py throws it while long requests stream;
+issue 34: one bad request must never hurt another).
 
 At least 300 generated inputs across the endpoints (a valid body with one or two fields set to an extreme value
 of another kind, width or encoding; malformed, truncated, nested or oversized bodies; bad paths and methods),
@@ -10,20 +10,10 @@ hang; the long requests finish token for token as they do alone; nothing is left
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import json
-import os
 import random
 
 import httpx
-import pytest
-
-from conftest import TEST_XLA_FLAGS
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONTEXT = 512
-SHAPE_BUCKETS = {"rows": [8], "pages": [CONTEXT // 32], "prefill_rows": [1], "prefill_blocks": [2]}
 LONG = {"max_new_tokens": 192, "ignore_eos": True, "temperature": 0}
 LONG_PROMPTS = ["Count up 40 steps from 7.", "Repeat 30 times: blue fox"]
 TIMEOUT = 60.0
@@ -102,23 +92,6 @@ def _bodies(rng: random.Random, model: str) -> list[tuple[str, str, bytes | None
     return cases
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from dllm_jax.assets import DEFAULT_MODEL_PATH
-    from serve.launch import ServerProcess
-
-    log_path = tmp_path_factory.mktemp("fuzz_log") / "server.log"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=TEST_XLA_FLAGS, TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=REPO)
-    args = ["--model-path", DEFAULT_MODEL_PATH, "--max-running-requests", "4", "--context-length", str(CONTEXT),
-            "--max-prefill-tokens", "64", "--shape-buckets", json.dumps(SHAPE_BUCKETS), "--no-warmup",
-            "--log-level", "warning", "--no-access-log", "--profile-dir", str(tmp_path_factory.mktemp("profiles"))]
-    with ServerProcess(args, env=env, cwd=REPO, log_path=str(log_path)) as proc:
-        yield proc
-    text = proc.output()
-    assert "Traceback" not in text, text[-5000:]
-
-
 def _long(base: str, prompt: str, chat: bool) -> dict:
     """One long greedy request, streamed; its output ids (or text, for chat) and how it ended."""
     with httpx.Client(base_url=base, timeout=TIMEOUT * 4) as c:
@@ -139,40 +112,3 @@ def _long(base: str, prompt: str, chat: bool) -> dict:
             text = "".join(f["choices"][0]["delta"].get("content") or "" for f in frames if f.get("choices"))
             return {"text": text, "finish": frames[-1]["choices"][0].get("finish_reason") if frames else None}
         return {"ids": frames[-1]["output_ids"], "finish": frames[-1]["meta_info"]["finish_reason"]}
-
-
-def test_generated_bad_input_hurts_no_request(server):
-    base = server.base
-    model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
-    longs = [(p, chat) for p in LONG_PROMPTS for chat in (False, True)]
-    alone = [_long(base, p, chat) for p, chat in longs]
-    cases = _bodies(random.Random(34), model)
-    assert len(cases) >= 300
-    counts, bad = collections.Counter(), []
-    with concurrent.futures.ThreadPoolExecutor(len(longs)) as pool, \
-            httpx.Client(base_url=base, timeout=TIMEOUT) as client:
-        running = [pool.submit(_long, base, p, chat) for p, chat in longs]
-        for method, path, body, headers in cases:
-            headers = {"Content-Type": "application/json", **headers}
-            try:
-                r = client.request(method, path, content=body, headers=headers)
-            except httpx.TimeoutException:
-                counts["hang"] += 1
-                bad.append((path, body[:200] if body else None, "hang"))
-                continue
-            counts[f"{r.status_code // 100}xx"] += 1
-            if r.status_code >= 500:
-                bad.append((path, body[:200] if body else None, r.status_code, r.text[:300]))
-            elif r.status_code >= 400:
-                err = r.json().get("error", {})
-                if not err.get("message") or (r.status_code == 400 and not err.get("param")):
-                    bad.append((path, body[:200] if body else None, r.status_code, r.text[:300]))
-            elif r.status_code == 200 and r.headers.get("content-type", "").startswith("text/event-stream"):
-                assert "data: [DONE]" in r.text
-        together = [f.result() for f in running]
-    print(f"\n{len(cases)} generated inputs: {dict(counts)}")
-    assert not bad, bad[:10]
-    assert counts["hang"] == 0 and counts["5xx"] == 0
-    assert together == alone  # the long requests, untouched
-    load = httpx.get(base + "/internal/load").json()
-    assert load["running_requests"] == 0 and load["kv_pages_locked"] == 0, load
