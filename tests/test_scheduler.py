@@ -47,8 +47,8 @@ class FakeRunner:
 
     channel = None
 
-    def __init__(self, B: int, *, loop: bool = False, waiting_keys=()):
-        self.B, self.loop, self.chain = B, loop, 0
+    def __init__(self, B: int, *, loop: bool = False, waiting_keys=(), chain: int = 0):
+        self.B, self.loop, self.chain = B, loop, chain
         self.kv: dict[int, list[int]] = {}
         self.calls: list = []
         self.waiting_keys = set(waiting_keys)  # keys "compiling in the background"
@@ -57,7 +57,7 @@ class FakeRunner:
                                               background=True, warmed_classes={"plain"})
 
     def can_chain(self, rows: int) -> bool:
-        return False
+        return self.chain > 0 and rows <= 2
 
     def prefill_chunk(self, blocks: int) -> int:
         return max(1, min(blocks, 2))
@@ -83,25 +83,51 @@ class FakeRunner:
                 for j, page in enumerate(row.write_pages):
                     self.kv[page] = list(row.tokens[j * B:(j + 1) * B])
             return None
-        tokens = []
+        tokens, chained = [], []
         for row in call.rows:
             context = self._context(row.prefix_pages)
             block = [int(t) for t in row.tokens]
             if not row.refresh:
-                for j in range(B):
-                    if not row.immutable[j]:
-                        prior = [t for k, t in enumerate(block[:j]) if row.immutable[k] or block[k] != MASK]
-                        block[j] = next_token(context + prior, len(context) + j)
+                self._decode(block, row.immutable, context)
             self.kv[row.write_page] = block  # the K/V of the block's final tokens (done in one step)
+            done = []
+            # chaining: a done block that holds no stop id goes on into the next reserved page, in this call
+            for page in row.chain_pages:
+                if set(block) & set(row.stop_ids):
+                    break
+                done.append(block)
+                context = context + block
+                block = [MASK] * B
+                self._decode(block, [False] * B, context)
+                self.kv[page] = block
             tokens.append(block)
-        n = len(call.rows)
-        return DecodeOutput(tokens=np.asarray(tokens, np.int32), done=np.ones(n, bool), steps=np.ones(n, np.int64),
-                            states=[{} for _ in range(n)], fresh_kv=np.ones(n, bool), forwards=np.ones(n, np.int64),
-                            logprob=np.zeros((n, B), np.float32), recorded=np.ones((n, B), bool))
+            chained.append(done)
+        n, C = len(call.rows), max(self.chain, 1)
+        out = DecodeOutput(tokens=np.asarray(tokens, np.int32), done=np.ones(n, bool), steps=np.ones(n, np.int64),
+                           states=[{} for _ in range(n)], fresh_kv=np.ones(n, bool),
+                           forwards=np.asarray([1 + len(c) for c in chained]),
+                           logprob=np.zeros((n, B), np.float32), recorded=np.ones((n, B), bool))
+        if self.chain:
+            out.chain_blocks = np.asarray([len(c) for c in chained])
+            out.chain_tokens = np.zeros((n, C, B), np.int32)
+            out.chain_steps = np.zeros((n, C), np.int64)
+            for i, c in enumerate(chained):
+                if c:
+                    out.chain_tokens[i, :len(c)] = c
+                    out.chain_steps[i, :len(c)] = 1
+        return out
+
+    @staticmethod
+    def _decode(block: list[int], immutable, context: list[int]) -> None:
+        """Every position to decode, from the tokens before it (the block's undecided ones excluded)."""
+        for j in range(len(block)):
+            if not immutable[j]:
+                prior = [t for k, t in enumerate(block[:j]) if immutable[k] or block[k] != MASK]
+                block[j] = next_token(context + prior, len(context) + j)
 
 
-def make(B=4, pages=64, max_running=4, context=64, cache=True, loop=False, waiting_keys=()):
-    runner = FakeRunner(B, loop=loop, waiting_keys=waiting_keys)
+def make(B=4, pages=64, max_running=4, context=64, cache=True, loop=False, waiting_keys=(), chain=0):
+    runner = FakeRunner(B, loop=loop, waiting_keys=waiting_keys, chain=chain)
     allocator = PageAllocator(pages)
     radix = BlockRadixIndex(B, allocator, enabled=cache)
     sched = Scheduler(runner, allocator, radix, block_size=B, mask_id=MASK, eos_token_ids=(EOS,),
@@ -234,3 +260,37 @@ def test_rows_waiting_for_a_compile_wait_and_the_others_run():
     run(sched)
     assert wants.output_ids == reference(PROMPTS[3], 8, 4)
     assert len(wants.output_token_logprobs) == 8
+
+
+@pytest.mark.parametrize("loop", [False, True], ids=["fdfo", "sync"])
+def test_chaining_decisions(loop):
+    """Chaining: a request running alone goes on into its next blocks inside one call (pages reserved for them,
+    those not used freed); FDFO chains calls of up to two requests, sync only a request alone; a streamed request
+    or one with stop strings never chains; the outputs are the reference's either way."""
+    sched, runner = make(chain=2, loop=loop)
+    alone = request(PROMPTS[0], max_new=20, rid="alone")
+    sched.add(alone)
+    run(sched)
+    assert alone.output_ids == reference(PROMPTS[0], 20, 4)
+    assert sched.stats["chained_blocks"] > 0
+    assert max(len(c.rows[0].chain_pages) for c in runner.calls if isinstance(c, DenoiseCall)) == 2
+
+    for n, expect in [(2, not loop), (3, False)]:  # batch size decides
+        sched, runner = make(chain=2, loop=loop)
+        reqs = [request(p, max_new=12, rid=f"{n}-{i}") for i, p in enumerate(PROMPTS[:n])]
+        for req in reqs:
+            sched.add(req)
+        run(sched)
+        assert [r.output_ids for r in reqs] == [reference(p, 12, 4) for p in PROMPTS[:n]]
+        first_full = next(c for c in runner.calls if isinstance(c, DenoiseCall) and len(c.reqs) == n)
+        assert bool(first_full.chain_pages) == expect, (n, loop)
+
+    sched, runner = make(chain=2, loop=loop)
+    streamed = request(PROMPTS[0], max_new=20, rid="streamed")
+    streamed.stream = True
+    stopping = request(PROMPTS[1], max_new=20, rid="stop-strings", stop=("zz",))
+    for req in (streamed, stopping):
+        sched.add(req)
+        run(sched)
+    assert sched.stats["chained_blocks"] == 0
+    assert streamed.output_ids == reference(PROMPTS[0], 20, 4)
