@@ -59,7 +59,7 @@ class DecodeRow:
 
 
 # The denoise inputs (dllm_jax/decode/rows.py) a DecodeRow carries by name: written into a call as they are.
-_ROW_ATTRIBUTES = tuple(f.name for f in row_schema.INPUTS if f.name in DecodeRow.__dataclass_fields__)
+ROW_ATTRIBUTES = tuple(f.name for f in row_schema.INPUTS if f.name in DecodeRow.__dataclass_fields__)
 
 
 @dataclasses.dataclass

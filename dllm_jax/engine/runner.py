@@ -16,7 +16,7 @@ import numpy as np
 from dllm_jax.decode.algorithms import Algorithm
 from dllm_jax.decode.packing import RowLayout
 from dllm_jax.decode import rows as row_schema
-from dllm_jax.engine.calls import (_ROW_ATTRIBUTES, DecodeOutput, DecodeRow, DenoiseCall, PenaltyRow, PrefillCall,
+from dllm_jax.engine.calls import (ROW_ATTRIBUTES, DecodeOutput, DecodeRow, DenoiseCall, PenaltyRow, PrefillCall,
                                    PrefillRow, RowError)
 from dllm_jax.decode.step import (CHAIN_STOP_IDS, PENALTY_PREFIX, STATE_PREFIX, StepSpec, denoise_packed,
                                    init_kv_pages, prefill)
@@ -329,7 +329,7 @@ class ModelRunner:
 
     def _fill_row(self, fields: dict, state: dict, i: int, r: DecodeRow, chain: bool, R: int) -> None:
         """Write row ``i`` of a denoise call into the staging views (numpy checks each value against its dtype)."""
-        for name in _ROW_ATTRIBUTES:  # the input fields a DecodeRow holds under their own name
+        for name in ROW_ATTRIBUTES:  # the input fields a DecodeRow holds under their own name
             fields[name][i] = getattr(r, name)
         fields["page_table"][i, : len(r.prefix_pages)] = r.prefix_pages
         fields["prefix_len"][i] = len(r.prefix_pages) * self.block_size
