@@ -23,10 +23,14 @@ from typing import Any
 
 QWEN3_ARCHITECTURES = ("Qwen3ForCausalLM", "SDARForCausalLM", "Qwen3MoeForCausalLM", "SDARMoeForCausalLM")
 LLADA2_ARCHITECTURES = ("LLaDA2MoeModelLM",)
-SUPPORTED_ARCHITECTURES = QWEN3_ARCHITECTURES + LLADA2_ARCHITECTURES
+DIFFUSION_GEMMA_ARCHITECTURES = ("DiffusionGemmaForBlockDiffusion",)
+SUPPORTED_ARCHITECTURES = QWEN3_ARCHITECTURES + LLADA2_ARCHITECTURES + DIFFUSION_GEMMA_ARCHITECTURES
 QWEN3_MODEL_TYPES = ("qwen3", "sdar", "qwen3_moe", "sdar_moe")
 LLADA2_MODEL_TYPES = ("llada2_moe", "bailing_moe", "bailing_moe_v2")
-SUPPORTED_MODEL_TYPES = QWEN3_MODEL_TYPES + LLADA2_MODEL_TYPES
+DIFFUSION_GEMMA_MODEL_TYPES = ("diffusion_gemma",)
+SUPPORTED_MODEL_TYPES = QWEN3_MODEL_TYPES + LLADA2_MODEL_TYPES + DIFFUSION_GEMMA_MODEL_TYPES
+SLIDING, FULL = "sliding_attention", "full_attention"  # DiffusionGemma layer types
+GEMMA_ROPE_TYPES = ("default", "proportional")
 SUPPORTED_ROPE_TYPES = ("default", "linear")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 DEFAULT_SDAR_BLOCK_SIZE = 4
@@ -36,7 +40,7 @@ DEFAULT_LLADA2_BLOCK_SIZE = 32
 _ARCH_FOR_MODEL_TYPE = {
     "qwen3": "Qwen3ForCausalLM", "sdar": "SDARForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
     "sdar_moe": "SDARMoeForCausalLM", "llada2_moe": "LLaDA2MoeModelLM", "bailing_moe": "LLaDA2MoeModelLM",
-    "bailing_moe_v2": "LLaDA2MoeModelLM",
+    "bailing_moe_v2": "LLaDA2MoeModelLM", "diffusion_gemma": "DiffusionGemmaForBlockDiffusion",
 }
 
 
@@ -87,6 +91,18 @@ class ModelConfig:
     # Structural edit tokens of LLaDA2.2 InDel checkpoints (JointThresholdInDel); None = not an InDel model.
     delete_token_id: int | None = None
     split_token_id: int | None = None
+    # DiffusionGemma (Gemma 4 text, encoder + decoder): a layer is sliding or full attention; full layers have
+    # their own head dim / KV heads and RoPE, and no v_proj (values: the k projection through the v norm).
+    layer_types: tuple[str, ...] = ()  # per layer, SLIDING / FULL; () = every layer alike (the other families)
+    sliding_window: int | None = None  # a sliding layer's query at q sees keys k with q - k < window
+    global_head_dim: int = 0  # full layers' head dim (0: head_dim)
+    num_global_kv_heads: int = 0  # full layers' KV heads (0: num_kv_heads)
+    # RoPE per layer kind: (rope_type, theta, partial_rotary_factor, factor); "proportional" rotates the first
+    # partial * D/2 frequency pairs (over the whole head dim) and leaves the others still.
+    rope_sliding: tuple = ()
+    rope_full: tuple = ()
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    hidden_act: str = "silu"  # "silu" (SwiGLU) | "gelu_pytorch_tanh" (Gemma's gated GELU)
 
     @property
     def q_size(self) -> int:
@@ -102,8 +118,21 @@ class ModelConfig:
 
     @property
     def family(self) -> str:
-        """``"llada2"`` or ``"qwen3"`` (dense or MoE): which checkpoint naming and defaults apply."""
+        """``"llada2"``, ``"diffusion_gemma"`` or ``"qwen3"`` (dense or MoE): which checkpoint naming and defaults
+        apply."""
+        if self.architecture in DIFFUSION_GEMMA_ARCHITECTURES:
+            return "diffusion_gemma"
         return "llada2" if self.architecture in LLADA2_ARCHITECTURES else "qwen3"
+
+    def is_sliding_layer(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == SLIDING
+
+    def layer_head_dim(self, layer: int) -> int:
+        return self.global_head_dim if self.layer_types and not self.is_sliding_layer(layer) else self.head_dim
+
+    def layer_kv_heads(self, layer: int) -> int:
+        return self.num_global_kv_heads if self.layer_types and not self.is_sliding_layer(layer) \
+            else self.num_kv_heads
 
     @property
     def is_moe(self) -> bool:
@@ -137,6 +166,10 @@ class ModelConfig:
         archs = hf.get("architectures") or []
         model_type = hf.get("model_type")
         arch = archs[0] if archs else None
+        if arch in DIFFUSION_GEMMA_ARCHITECTURES or (arch is None and model_type in DIFFUSION_GEMMA_MODEL_TYPES):
+            cfg = cls(**_diffusion_gemma_fields(hf, source))
+            _validate(cfg, source)
+            return cfg
         if arch is not None and arch not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
                 f"{source}: unknown architecture '{arch}'; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -364,6 +397,99 @@ def _llada2_fields(hf: dict, num_layers: int, head_dim: int, source: str) -> dic
     return fields
 
 
+def _diffusion_gemma_fields(hf: dict, source: str) -> dict:
+    """DiffusionGemma (``DiffusionGemmaConfig``): the text model's fields from ``text_config`` with
+    transformers' defaults (``DiffusionGemmaTextConfig.__post_init__``: layer types 5:1 with the last full,
+    per-layer head dim / KV heads of full layers, RoPE per layer type), the canvas as the block size."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{source}: missing required field 'text_config' (a DiffusionGemma config nests the text "
+                          f"model's fields there)")
+    where = f"{source}: text_config"
+
+    def need(key: str):
+        if text.get(key) is None:
+            raise ConfigError(f"{where}: missing required field '{key}'")
+        return text[key]
+
+    num_layers = int(need("num_hidden_layers"))
+    layer_types = list(text.get("layer_types") or
+                       [SLIDING if (i + 1) % 6 else FULL for i in range(num_layers)])
+    if len(layer_types) != num_layers or any(t not in (SLIDING, FULL) for t in layer_types):
+        raise ConfigError(f"{where}.layer_types must list '{SLIDING}' or '{FULL}' for each of the "
+                          f"{num_layers} layers")
+    layer_types[-1] = FULL  # transformers forces the last layer full (with a warning)
+    bidirectional = text.get("use_bidirectional_attention")
+    if bidirectional not in (None, "vision"):
+        raise ConfigError(f"{where}.use_bidirectional_attention={bidirectional!r}: an encoder that attends "
+                          f"bidirectionally over text cannot keep a causal prefix cache; supported: null, 'vision'")
+    heads = int(need("num_attention_heads"))
+    hidden = int(need("hidden_size"))
+    head_dim = int(text.get("head_dim") or hidden // heads)
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    # Full layers' overrides: transformers 5.24 serialises them as per_layer_config {index: {...}}; a published
+    # config may carry global_head_dim / num_global_key_value_heads instead.
+    per_layer = text.get("per_layer_config")
+    if per_layer is not None:  # (empty: the full layers are like the others)
+        overrides = {int(k): v for k, v in per_layer.items()}
+        bad = [i for i in overrides if not 0 <= i < num_layers or layer_types[i] != FULL]
+        full = [overrides.get(i, {}) for i in range(num_layers) if layer_types[i] == FULL]
+        if bad or any(o != full[0] for o in full):
+            raise ConfigError(f"{where}.per_layer_config must override the full-attention layers alike "
+                              f"(and only them)")
+        global_head_dim = int(full[0].get("head_dim", head_dim))
+        global_kv = int(full[0].get("num_key_value_heads", kv_heads))
+    else:
+        global_head_dim = int(text.get("global_head_dim") or 512)
+        global_kv = int(text.get("num_global_key_value_heads") or kv_heads)
+    rope = text.get("rope_parameters") or {}
+    defaults = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+                FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
+
+    def rope_spec(kind: str) -> tuple:
+        spec = rope.get(kind) or defaults[kind]
+        kind_type = spec.get("rope_type", "default")
+        if kind_type not in GEMMA_ROPE_TYPES:
+            raise ConfigError(f"{where}.rope_parameters.{kind}.rope_type '{kind_type}' is not supported; "
+                              f"supported: {', '.join(GEMMA_ROPE_TYPES)}")
+        partial = float(spec.get("partial_rotary_factor", 1.0))
+        if kind_type == "default" and partial != 1.0:
+            raise ConfigError(f"{where}.rope_parameters.{kind}: partial_rotary_factor {partial} with the default "
+                              f"rope_type (transformers applies it only with 'proportional')")
+        return (kind_type, float(spec.get("rope_theta", defaults[kind]["rope_theta"])), partial,
+                float(spec.get("factor", 1.0)))
+
+    num_experts = int(text.get("num_experts") or 0)
+    if num_experts <= 0:
+        raise ConfigError(f"{where}: missing required field 'num_experts' (every DiffusionGemma layer has experts)")
+    act = text.get("hidden_activation", "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ConfigError(f"{where}: unsupported hidden_activation '{act}'; only 'gelu_pytorch_tanh'")
+    eos = text.get("eos_token_id", 1)
+    eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
+    canvas = hf.get("canvas_length", 256)
+    tie = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+    window = text.get("sliding_window", 512)
+    return dict(
+        vocab_size=int(need("vocab_size")), hidden_size=hidden, intermediate_size=int(need("intermediate_size")),
+        num_layers=num_layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(tie), attention_bias=bool(text.get("attention_bias", False)),
+        max_position_embeddings=int(text.get("max_position_embeddings", 131_072)),
+        architecture=DIFFUSION_GEMMA_ARCHITECTURES[0], model_type="diffusion_gemma",
+        block_size=None if canvas is None else int(canvas), eos_token_ids=eos_ids,
+        num_experts=num_experts, num_experts_per_tok=int(need("top_k_experts")),
+        moe_intermediate_size=int(need("moe_intermediate_size")), moe_layers=tuple(range(num_layers)),
+        norm_topk_prob=True,
+        layer_types=tuple(layer_types), sliding_window=None if window is None else int(window),
+        global_head_dim=global_head_dim, num_global_kv_heads=global_kv,
+        rope_sliding=rope_spec(SLIDING), rope_full=rope_spec(FULL),
+        final_logit_softcapping=None if text.get("final_logit_softcapping", 30.0) is None
+        else float(text.get("final_logit_softcapping", 30.0)),
+        hidden_act="gelu_pytorch_tanh",
+    )
+
+
 def _need(hf: dict, key: str, source: str) -> int:
     if hf.get(key) is None:
         raise ConfigError(f"{source}: missing required field '{key}'")
@@ -371,6 +497,17 @@ def _need(hf: dict, key: str, source: str) -> int:
 
 
 def _validate(cfg: ModelConfig, source: str) -> None:
+    if cfg.layer_types:
+        if cfg.attention_bias:
+            raise ConfigError(f"{source}: text_config.attention_bias is not supported for DiffusionGemma")
+        for what, kv, dim in (("num_key_value_heads", cfg.num_kv_heads, cfg.head_dim),
+                              ("the full layers' num_key_value_heads", cfg.num_global_kv_heads,
+                               cfg.global_head_dim)):
+            if kv <= 0 or cfg.num_heads % kv or dim <= 0 or dim % 2:
+                raise ConfigError(f"{source}: num_attention_heads ({cfg.num_heads}) must be a multiple of {what} "
+                                  f"({kv}) and head dims ({dim}) even")
+        if SLIDING in cfg.layer_types and (cfg.sliding_window is None or cfg.sliding_window < 2):
+            raise ConfigError(f"{source}: text_config.sliding_window must be >= 2, got {cfg.sliding_window}")
     if cfg.num_heads % cfg.num_kv_heads:
         raise ConfigError(
             f"{source}: num_attention_heads ({cfg.num_heads}) must be a multiple of "

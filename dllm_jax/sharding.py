@@ -23,7 +23,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.model.params import PARAM_AXES, axes_key
+from dllm_jax.model.params import PARAM_AXES, key_path, param_axes  # noqa: F401 (PARAM_AXES: public)
 
 MESH_AXES = ("expert", "tp")
 
@@ -32,6 +32,7 @@ RULES: dict[str, str | None] = {
     "vocab": "tp",  # embedding rows / LM-head columns: vocab-parallel head, confidence triples per shard
     "q_heads": "tp",  # attention: q by head, o by input head
     "kv_heads": "tp",  # k / v projections and the KV page pool by KV head (replicated if it does not divide)
+    "global_kv_heads": "tp",  # DiffusionGemma's full-attention layers' k projection (their own KV heads)
     "mlp": "tp",  # dense SwiGLU intermediate (and the MoE shared experts)
     "experts": "expert",  # stacked expert weights
     "expert_mlp": "tp",  # each expert's intermediate dimension
@@ -61,6 +62,8 @@ def _units(cfg: ModelConfig, axis: str, size: int) -> int:
         return cfg.num_heads
     if axis == "kv_heads":
         return cfg.num_kv_heads
+    if axis == "global_kv_heads":
+        return cfg.num_global_kv_heads
     return size
 
 
@@ -79,11 +82,12 @@ def spec_for(axes: tuple, shape: tuple, cfg: ModelConfig, mesh: Mesh) -> P:
 def param_specs(params, cfg: ModelConfig, mesh: Mesh):
     """A pytree of PartitionSpecs matching ``params``."""
     def spec(path, leaf):
-        name = axes_key(path)
-        if name not in PARAM_AXES:
+        try:
+            axes = param_axes(cfg, key_path(path))
+        except KeyError:
             raise KeyError(f"no sharding rule for parameter {jax.tree_util.keystr(path)}: add it to the parameter "
-                           f"table (dllm_jax.model.params)")
-        return spec_for(PARAM_AXES[name], leaf.shape, cfg, mesh)
+                           f"table (dllm_jax.model.params)") from None
+        return spec_for(axes, leaf.shape, cfg, mesh)
     return jax.tree_util.tree_map_with_path(spec, params)
 
 

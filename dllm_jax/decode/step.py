@@ -463,12 +463,12 @@ def init_kv_pages(cfg: ModelConfig, num_pages: int, block_size: int, dtype=jnp.f
     for layer_kv in family_of(cfg).kv_layout(cfg):
         shape = (layer_kv.kv_heads, num_pages, block_size, layer_kv.head_dim)
         kv_dtype = dtype if layer_kv.dtype is None else layer_kv.dtype
-        pool.append((jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype)))
+        pool.append(tuple(jnp.zeros(shape, kv_dtype) for _ in range(layer_kv.tensors)))
     return pool
 
 
 def kv_bytes_per_page(cfg: ModelConfig, block_size: int, dtype) -> int:
     """Bytes of one page (K and V of one block, every layer), from the family's KV layout."""
-    return sum(2 * layer_kv.kv_heads * block_size * layer_kv.head_dim
+    return sum(layer_kv.tensors * layer_kv.kv_heads * block_size * layer_kv.head_dim
                * jnp.dtype(dtype if layer_kv.dtype is None else layer_kv.dtype).itemsize
                for layer_kv in family_of(cfg).kv_layout(cfg))

@@ -29,12 +29,14 @@ from dllm_jax.engine.compilation import ProgressLines
 from dllm_jax.engine.config import EngineConfig, engine_config
 from dllm_jax.engine.request import Request
 from dllm_jax.engine.runner import ModelRunner
+from dllm_jax.engine.info import EngineInfo
 from dllm_jax.engine.inputs import RequestInputs, sampling_defaults, with_fields
 from dllm_jax.engine.memory import plan_kv_pool
 from dllm_jax.engine.output import ChunkSink, FinishWatcher, Output
 from dllm_jax.engine.profiling import Profiling
 from dllm_jax.engine.sampling import SamplingParams
 from dllm_jax.engine.scheduler import Scheduler
+from dllm_jax.model.family import family_of
 from dllm_jax.model.qwen3 import kv_storage_dtype
 
 log = logging.getLogger("dllm_jax")
@@ -47,7 +49,7 @@ def default_model_path() -> str:
     return DEFAULT_MODEL_PATH
 
 
-class Engine(RequestInputs, Profiling):
+class Engine(RequestInputs, EngineInfo, Profiling):
     """A block-diffusion LM server in a Python object.
 
     Options: see :class:`~dllm_jax.engine.config.EngineConfig` (``dllm_jax.EngineConfig``,
@@ -83,6 +85,8 @@ class Engine(RequestInputs, Profiling):
         self.block_size = B = cfg.block_size
         self.mask_token_id = cfg.mask_token_id
         self.eos_token_ids = tuple(cfg.eos_token_ids)
+        if family_of(cfg).cannot_decode:  # its model loads; decoding it is not in the engine yet
+            return self._load_only(loaded)
         self.algorithm = make_algorithm(o.algorithm, o.algorithm_config, model_config=cfg)
         self.algorithm_name = o.algorithm
         self.schedule = o.schedule
@@ -155,51 +159,8 @@ class Engine(RequestInputs, Profiling):
             self.start_profile(o.profile_dir)
 
     # ------------------------------------------------------------------------------------------
-    # Info
+    # Warm-up and requests
     # ------------------------------------------------------------------------------------------
-    def get_model_info(self) -> dict:
-        cfg = self.config
-        return {
-            "model_path": self.model_path,
-            "architecture": cfg.architecture,
-            "block_size": self.block_size,
-            "mask_token_id": self.mask_token_id,
-            "eos_token_ids": list(self.eos_token_ids),
-            "vocab_size": cfg.vocab_size,
-            "algorithm": self.algorithm_name,
-            "algorithm_config": dict(vars(self.algorithm.config)),
-            "schedule": self.schedule,
-            "fold_commit_forward": self.runner.greedy_spec.fold_commit,
-            "chain_blocks": self.runner.chain,
-            "enable_prefix_cache": self.enable_prefix_cache,
-            "max_running_requests": self.max_running_requests,
-            "num_kv_pages": self.num_kv_pages,
-            "kv_pool_tokens": self.kv_budget.tokens,
-            "kv_pool_bytes": self.kv_budget.pool_bytes,
-            "default_sampling_params": dict(self.default_sampling_params),
-            "context_length": self.context_length,
-            "dtype": self.dtype,
-            "attention_backend": self.attention_backend,
-            "confidence_backend": self.confidence_backend,
-            "tensor_parallel_size": self.tensor_parallel_size,
-            "expert_parallel_size": self.expert_parallel_size,
-        }
-
-    def get_load(self) -> dict:
-        """Counters for /metrics and tests (a snapshot; safe to read from other threads: the counter keys are
-        fixed at start, so copying never races with the engine thread adding one)."""
-        s = self.scheduler
-        return {
-            "running_requests": len(s.running),
-            "queued_requests": len(s.waiting) + self._inbox.qsize(),
-            "kv_pages_total": self.allocator.capacity,
-            "kv_pages_free": self.allocator.num_free,
-            "kv_pages_used": self.allocator.capacity - self.allocator.num_free,
-            "kv_pages_cached": self.radix.total,
-            "kv_pages_locked": self.radix.protected,
-            **dict(s.stats),
-        }
-
     def warmup(self, sampling: bool = False, *, logprobs: bool = False, penalties: bool = False) -> int:
         """Compile every shape bucket now, so no request waits on a compile later (a progress bar shows it when
         ``progress`` is on; cached executables load from the persistent compilation cache). Returns the count.

@@ -15,6 +15,7 @@ import re
 import numpy as np
 
 from dllm_jax.config import ModelConfig
+from dllm_jax.model import gemma_params
 from dllm_jax.model.params import DENSE, LAYER, MOE, TABLES, TOP, Leaf, Params, get_leaf, param_table
 
 
@@ -138,6 +139,8 @@ def hf_tensor_parts(cfg: ModelConfig, name: str) -> list[Part] | None:
     skips them. Raises :class:`Unsupported` for a tensor that contradicts config.json (e.g. expert weights in a
     dense layer).
     """
+    if cfg.family == gemma_params.LAYOUT:
+        return _gemma_parts(cfg, name)
     index = _index(cfg.family)
     if name in index.top:
         return _parts(cfg, index.top[name], None)
@@ -169,6 +172,57 @@ def hf_tensor_parts(cfg: ModelConfig, name: str) -> list[Part] | None:
     return None
 
 
+_GEMMA_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
+
+
+def _gemma_parts(cfg: ModelConfig, name: str) -> list[Part] | None:
+    """DiffusionGemma's names: the decoder's (``model.decoder.``) fill the shared leaves of a tied checkpoint (the
+    encoder's copies, when a checkpoint stores them twice, are skipped: transformers ties the encoder to the
+    decoder), each stack its own leaves of an untied one; vision tensors are skipped (text-only serving)."""
+    table = gemma_params.GEMMA
+    tied = cfg.tie_word_embeddings
+    if name == "lm_head.weight":
+        return [] if tied else [Part(("lm_head",), None, T)]
+    if name.startswith(gemma_params.VISION_PREFIXES):
+        return None
+    for prefix, decoder in ((gemma_params.DECODER_PREFIX, True), (gemma_params.ENCODER_PREFIX, False)):
+        if not name.startswith(prefix):
+            continue
+        rel = name[len(prefix):]
+        m = _GEMMA_LAYER_RE.match(rel)
+        if m is None:  # a stack's top-level tensor
+            key = {"embed_tokens.weight": "embed", "norm.weight": "final_norm"}.get(rel)
+            if key is None:
+                full = [leaf for leaf in table.leaves if leaf.where == TOP and name in leaf.hf_names(gemma_params.LAYOUT)
+                        and leaf.key.startswith("sc_")]
+                return [Part((full[0].key,), None, T if full[0].hf_transposed else ID)] if full and decoder else None
+            if tied and not decoder:
+                return []
+            return [Part(("dec_" + key if decoder and not tied else key,), None, ID)]
+        i, suffix = int(m.group(1)), m.group(2)
+        if i >= cfg.num_layers:
+            raise Unsupported(f"is for layer {i} but the config has {cfg.num_layers} layers")
+        stack = "dec_layers" if decoder and not tied else "layers"
+        if suffix == "layer_scalar":
+            return [Part((stack, i, "dec_layer_scalar" if decoder and tied else "layer_scalar"), None, ID)]
+        if tied and not decoder:
+            return []
+        if suffix == "experts.gate_up_proj":
+            width = cfg.moe_intermediate_size
+            return [Part((stack, i, "experts_gate"), None, ("mid", 0, width)),
+                    Part((stack, i, "experts_up"), None, ("mid", width, 2 * width))]
+        rows = [leaf for leaf in table.leaves if leaf.where != TOP and suffix in leaf.hf_names(gemma_params.LAYOUT)]
+        if not rows:
+            return None
+        if suffix == "self_attn.v_proj.weight" and not cfg.is_sliding_layer(i):
+            raise Unsupported(f"is a v projection but config.json makes layer {i} a full-attention layer (full "
+                              f"layers take their values from k_proj; check text_config.layer_types)")
+        leaf = table.leaf((stack, i, rows[0].key), cfg)
+        spec = (T3 if len(leaf.shape) == 3 else T) if leaf.hf_transposed else ID
+        return [Part((stack, i, leaf.key), None, spec)]
+    return None
+
+
 def expected_hf_shape(cfg: ModelConfig, shapes: Params, parts: list[Part]) -> tuple:
     """The shape the checkpoint tensor must have for ``parts`` (from config.json), for the mismatch message."""
     out = []
@@ -190,12 +244,18 @@ def expected_hf_shape(cfg: ModelConfig, shapes: Params, parts: list[Part]) -> tu
 
 def hf_name_for(cfg: ModelConfig, path: tuple, expert: int | None = None) -> str:
     """The checkpoint tensor name that fills our leaf ``path`` (row ``expert`` of a stacked leaf): for messages."""
-    leaf = param_table(cfg).leaf(path)
+    leaf = param_table(cfg).leaf(path, cfg)
     names = leaf.hf_names(cfg.family)
     if not names:
         return ".".join(str(p) for p in path) + f" (no {cfg.family} checkpoint name)"
     name = names[0].replace("{e}", "*" if expert is None else str(expert))
-    return name if leaf.where == TOP else _PREFIX.format(i=path[1]) + name
+    if leaf.where == TOP:
+        return name
+    if cfg.family == gemma_params.LAYOUT:
+        decoder = path[0] == "dec_layers" or cfg.tie_word_embeddings and path[2] != "layer_scalar"
+        prefix = gemma_params.DECODER_PREFIX if decoder else gemma_params.ENCODER_PREFIX
+        return f"{prefix}layers.{path[1]}.{name}"
+    return _PREFIX.format(i=path[1]) + name
 
 
 def params_to_hf(params: Params, cfg: ModelConfig | None = None) -> dict[str, np.ndarray]:

@@ -20,8 +20,9 @@ does it at trace time, so routing through a family adds no jit argument and chan
 
 Registered: SDAR / Qwen3 dense, SDAR-MoE (Qwen3-MoE) and LLaDA2. The three run one decoder
 (:mod:`dllm_jax.model.qwen3`) and one parameter table; they differ in the checkpoint names (``checkpoint_layout``),
-the config fields they parse, the default block size and the chat template. A new family (DiffusionGemma, see
-``docs/architecture.md``) registers its own instance with :func:`register_family`.
+the config fields they parse, the default block size and the chat template. DiffusionGemma
+(:mod:`dllm_jax.model.gemma`, its own table :mod:`dllm_jax.model.gemma_params` and heterogeneous KV layout)
+loads and runs its encoder / decoder forwards; the engine does not decode it yet (``cannot_decode``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from typing import Any, Callable
 
 from dllm_jax import config as config_module
 from dllm_jax.config import ConfigError, ModelConfig
-from dllm_jax.model import qwen3
+from dllm_jax.model import gemma, qwen3
+from dllm_jax.model.gemma_params import GEMMA
 from dllm_jax.model.params import DECODER, ParamTable
 from dllm_jax.model.templates import LLADA2_CHAT_TEMPLATE
 
@@ -44,6 +46,7 @@ class LayerKV:
     head_dim: int
     dtype: Any = None  # stored dtype; None: the engine's KV dtype (``kv_dtype``)
     window: int | None = None  # a sliding-window layer never reads keys older than this (None: full attention)
+    tensors: int = 2  # arrays per layer: K and V, or one (DiffusionGemma's full layers keep the raw k projection)
 
 
 def uniform_kv_layout(cfg: ModelConfig) -> tuple[LayerKV, ...]:
@@ -85,6 +88,9 @@ class ModelFamily:
     init_state: Callable = algorithm_state  # (cfg, algorithm, num_rows, block_size) -> per-row state
     chat_template: str | None = None  # used when the tokenizer ships none (None: prompts stay raw)
     default_block_size: int = config_module.DEFAULT_SDAR_BLOCK_SIZE
+    uses_mask_token: bool = True  # False: the canvas starts from noise (no mask id needed)
+    # Set while the family's model loads but the engine cannot decode it yet: why (NotImplementedError's message).
+    cannot_decode: str | None = None
 
     def parse(self, hf: dict, source: str = "config.json") -> ModelConfig:
         """The config of a ``config.json`` dict this family claims (validated, errors naming the field)."""
@@ -116,6 +122,22 @@ LLADA2 = ModelFamily(
     parse_fields=_llada2_fields, param_table=DECODER, checkpoint_layout="llada2", chat_template=LLADA2_CHAT_TEMPLATE,
     default_block_size=config_module.DEFAULT_LLADA2_BLOCK_SIZE, **_DEVICE_FUNCTIONS)
 
+
+
+def _gemma_not_yet(*args, **kwargs):
+    raise NotImplementedError(_GEMMA_DECODING)
+
+
+_GEMMA_DECODING = ("DiffusionGemma decoding (the Gemma4Renoise algorithm) is not in the engine yet: the model "
+                   "loads and its encoder / decoder forwards run (dllm_jax.model.gemma), generation does not")
+DIFFUSION_GEMMA = ModelFamily(
+    name="diffusion_gemma", architectures=config_module.DIFFUSION_GEMMA_ARCHITECTURES,
+    model_types=config_module.DIFFUSION_GEMMA_MODEL_TYPES, parse_fields=lambda *a: {}, param_table=GEMMA,
+    checkpoint_layout="diffusion_gemma", forward_chunk=_gemma_not_yet, forward_chunk_kv=_gemma_not_yet,
+    forward_chunk_rest=_gemma_not_yet, logits_from_hidden=_gemma_not_yet, kv_layout=gemma.kv_layout,
+    default_algorithm="Gemma4Renoise", default_block_size=256, uses_mask_token=False,
+    cannot_decode=_GEMMA_DECODING)
+
 _FAMILIES: list[ModelFamily] = []
 _BY_ARCHITECTURE: dict[str, ModelFamily] = {}
 _BY_MODEL_TYPE: dict[str, ModelFamily] = {}
@@ -146,7 +168,7 @@ def families() -> tuple[ModelFamily, ...]:
     return tuple(_FAMILIES)
 
 
-for _family in (SDAR, SDAR_MOE, LLADA2):
+for _family in (SDAR, SDAR_MOE, LLADA2, DIFFUSION_GEMMA):
     register_family(_family)
 
 

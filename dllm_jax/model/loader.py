@@ -46,6 +46,8 @@ class LoadedModel:
 
 def resolve_config(model_dir: str, tokenizer, *, block_size=None, mask_token_id=None) -> ModelConfig:
     cfg = ModelConfig.from_model_dir(model_dir)
+    if not family_of(cfg).uses_mask_token:  # the canvas starts from noise
+        return _with_block_and_eos(cfg, model_dir, tokenizer, block_size, None)
     mask = mask_token_id if mask_token_id is not None else (
         cfg.mask_token_id if cfg.mask_token_id is not None else tokenizer_mask_id(tokenizer))
     if mask is None:
@@ -53,13 +55,17 @@ def resolve_config(model_dir: str, tokenizer, *, block_size=None, mask_token_id=
                           f"mask token ({' / '.join(MASK_TOKEN_NAMES)}), and none was given (mask_token_id=...)")
     if not 0 <= int(mask) < cfg.vocab_size:
         raise ConfigError(f"{model_dir}: mask_token_id {mask} is outside the vocabulary (size {cfg.vocab_size})")
+    return _with_block_and_eos(cfg, model_dir, tokenizer, block_size, int(mask))
+
+
+def _with_block_and_eos(cfg: ModelConfig, model_dir: str, tokenizer, block_size, mask) -> ModelConfig:
     block = block_size if block_size is not None else (cfg.block_size or family_of(cfg).default_block_size)
     if int(block) < 1:
         raise ConfigError(f"block_size must be >= 1, got {block}")
     eos = generation_eos(model_dir) or cfg.eos_token_ids
     if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
         eos = (int(tokenizer.eos_token_id),)
-    return cfg.replace(mask_token_id=int(mask), block_size=int(block), eos_token_ids=tuple(eos))
+    return cfg.replace(mask_token_id=mask, block_size=int(block), eos_token_ids=tuple(eos))
 
 
 def load_model(model_dir: str, *, dtype="float32", block_size=None, mask_token_id=None,

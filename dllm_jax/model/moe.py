@@ -77,8 +77,9 @@ def route(logits, cfg: ModelConfig, expert_bias=None):
     return expert_ids.astype(jnp.int32), weights
 
 
-def grouped_experts(moe, x, expert_ids):
-    """Every (token, chosen expert) pair's SwiGLU output, ``[N, k, H]``, via a grouped matmul.
+def grouped_experts(moe, x, expert_ids, activation=jax.nn.silu):
+    """Every (token, chosen expert) pair's gated-MLP output ``down(act(x @ gate) * (x @ up))``, ``[N, k, H]``, via
+    a grouped matmul (``activation``: SiLU for SwiGLU experts; DiffusionGemma's are tanh-GELU).
 
     x ``[N, H]``, expert_ids ``[N, k]``. Rows are sorted by expert (stable), ``ragged_dot`` runs each expert
     on its contiguous run of rows, and the inverse permutation puts the results back in (token, slot) order.
@@ -95,7 +96,7 @@ def grouped_experts(moe, x, expert_ids):
 
     gate = rdot(rows, moe["gate"])
     up = rdot(rows, moe["up"])
-    out = rdot(jax.nn.silu(gate) * up, moe["down"])
+    out = rdot(activation(gate) * up, moe["down"])
     inverse = jnp.argsort(order)  # a gather back to (token, slot) order: no scatter-add, fixed summation order
     return out[inverse].reshape(num_tokens, k, -1)
 

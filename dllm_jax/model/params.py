@@ -45,10 +45,15 @@ DIMS: dict[str, Callable[[ModelConfig], int]] = {
     "E": lambda c: c.num_experts,
     "M": lambda c: c.moe_intermediate_size,  # one expert's SwiGLU
     "S": lambda c: c.shared_intermediate_total,  # all shared experts, fused as one SwiGLU
+    # DiffusionGemma's full-attention layers (their own head dim and KV heads)
+    "GD": lambda c: c.global_head_dim,
+    "GQ": lambda c: c.num_heads * c.global_head_dim,
+    "GKV": lambda c: c.num_global_kv_heads * c.global_head_dim,
+    "1": lambda c: 1,
 }
 
 TOP, LAYER, DENSE, MOE = "top", "layer", "dense", "moe"  # where a leaf lives (DENSE / MOE: by the layer's MLP)
-FAMILIES = ("qwen3", "llada2")  # checkpoint layouts (ModelConfig.family)
+FAMILIES = ("qwen3", "llada2")  # checkpoint layouts of the decoder table (ModelConfig.family)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,8 +181,9 @@ class ParamTable:
 
     leaves: tuple[Leaf, ...]
 
-    def leaf(self, path: tuple) -> Leaf:
-        """The row of pytree path ``("embed",)``, ``("layers", i, "q")`` or ``("layers", i, "moe", "gate")``."""
+    def leaf(self, path: tuple, cfg: ModelConfig | None = None) -> Leaf:
+        """The row of pytree path ``("embed",)``, ``("layers", i, "q")`` or ``("layers", i, "moe", "gate")``
+        (``cfg``: for tables whose rows depend on the layer, e.g. DiffusionGemma's)."""
         return self._by_axes_key[axes_key(path)]
 
     @functools.cached_property
@@ -200,9 +206,13 @@ class ParamTable:
             for leaf in self.layer_leaves(cfg, i):
                 yield (("layers", i, "moe", leaf.key) if leaf.where == MOE else ("layers", i, leaf.key)), leaf
 
+    def empty(self, cfg: ModelConfig) -> Params:
+        """The pytree's skeleton: its per-layer lists, each of empty dicts."""
+        return {"layers": [{} for _ in range(cfg.num_layers)]}
+
     def tree(self, cfg: ModelConfig, value: Callable[[Leaf], Any]) -> Params:
         """The pytree of ``cfg``'s model with ``value(row)`` at each leaf."""
-        out: Params = {"layers": [{} for _ in range(cfg.num_layers)]}
+        out = self.empty(cfg)
         for path, leaf in self.paths(cfg):
             set_leaf(out, path, value(leaf))
         return out
@@ -228,8 +238,19 @@ def param_table(cfg: ModelConfig | None = None) -> ParamTable:
     return family_of(cfg).param_table
 
 
-# logical axes of every parameter, by :meth:`Leaf.axes_key`: what dllm_jax.sharding maps to mesh axes.
+# logical axes of every decoder parameter, by :meth:`Leaf.axes_key`: what dllm_jax.sharding maps to mesh axes
+# (other families' rows carry theirs: :func:`param_axes`).
 PARAM_AXES: dict[str, tuple[str, ...]] = {leaf.axes_key: leaf.axes for leaf in DECODER_LEAVES}
+
+
+def register_table(layout: str, table: "ParamTable") -> None:
+    """Add a family's table under its checkpoint layout name (``ModelConfig.family``)."""
+    TABLES[layout] = table
+
+
+def param_axes(cfg: ModelConfig, path: tuple) -> tuple[str, ...]:
+    """The logical axes of leaf ``path`` of ``cfg``'s model (its table row's)."""
+    return param_table(cfg).leaf(path, cfg).axes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -308,3 +329,6 @@ def name_path(name: str) -> tuple:
 def key_path(tree_path) -> tuple:
     """A ``jax.tree_util`` key path as a plain tuple (``("layers", 3, "q")``)."""
     return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in tree_path)
+
+
+from dllm_jax.model import gemma_params as _gemma_params  # noqa: E402,F401  (registers DiffusionGemma's table)

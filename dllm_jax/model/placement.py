@@ -146,9 +146,10 @@ class _Placer:
             return None
         from jax.sharding import NamedSharding
 
-        from dllm_jax.sharding import PARAM_AXES, spec_for
+        from dllm_jax.model.params import param_axes
+        from dllm_jax.sharding import spec_for
 
-        return NamedSharding(self.mesh, spec_for(PARAM_AXES[axes_key(path)], shape, self.cfg, self.mesh))
+        return NamedSharding(self.mesh, spec_for(param_axes(self.cfg, path), shape, self.cfg, self.mesh))
 
     def place(self, job: _Job, shapes: Params, params: Params) -> None:
         host = job.view()
@@ -219,7 +220,7 @@ def load_safetensors_params(model_dir: str, cfg: ModelConfig, dtype, *, progress
 
     shapes = param_shapes(cfg)
     dtypes = param_dtypes(cfg, dtype)
-    params: Params = {"layers": [dict() for _ in range(cfg.num_layers)]}
+    params: Params = param_table(cfg).empty(cfg)
     placer = _Placer(cfg, mesh)
     paths = safetensor_files(model_dir)
     if not paths:
@@ -320,7 +321,7 @@ def _check_complete(params: Params, shapes: Params, cfg: ModelConfig, model_dir:
             continue
         if ours:
             names.append(path_name(path))
-        elif "{e}" in "".join(table.leaf(path).hf_names(cfg.family)[:1]):  # one tensor per expert
+        elif "{e}" in "".join(table.leaf(path, cfg).hf_names(cfg.family)[:1]):  # one tensor per expert
             seen = (expert_rows or {}).get(path, ())
             names += [hf_name_for(cfg, path, e) for e in range(shape[0]) if e not in seen]
         else:

@@ -1,0 +1,174 @@
+"""DiffusionGemma's parameter table: the Gemma 4 text encoder / decoder pair, one row per leaf.
+
+The pytree (:mod:`dllm_jax.model.gemma` runs it):
+
+* ``embed`` ``[V, H]``, ``final_norm``, ``layers`` (a list of dicts): the encoder's, and the decoder's too when the
+  checkpoint ties them (the published one does: ``tie_word_embeddings``, transformers' ``_tied_weights_keys``);
+* ``sc_pre_norm`` / ``sc_gate`` / ``sc_up`` / ``sc_down``: the decoder's self-conditioning block;
+* untied checkpoints only: ``dec_embed``, ``dec_final_norm``, ``dec_layers`` (the decoder's own stack) and
+  ``lm_head`` ``[H, V]``; tied ones keep each decoder layer's ``layer_scalar`` buffer (transformers ties weights,
+  not buffers) as ``dec_layer_scalar`` beside the encoder's.
+
+A layer holds its attention (sliding layers a ``v`` projection; full layers none, with their own head dim and KV
+heads: the ``G*`` shape symbols), a dense gated-GELU MLP and a mixture of experts (router with its scale vectors;
+experts stacked ``[E, in, out]``, gate and up split from the checkpoint's fused ``gate_up_proj``), its norms and
+``layer_scalar``. Checkpoint names are relative to a stack's ``layers.{i}.`` (``model.encoder.language_model.`` or
+``model.decoder.``); top-level names are absolute. :mod:`dllm_jax.model.checkpoint_names` maps them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Iterator
+
+from dllm_jax.config import ModelConfig
+from dllm_jax.model.params import LAYER, TOP, Leaf, ParamTable, Params, _leaf, axes_key, register_table
+
+LAYOUT = "diffusion_gemma"
+SLIDING_LAYER, FULL_LAYER = "sliding_layer", "full_layer"  # leaves only sliding / only full layers have
+ENCODER_PREFIX = "model.encoder.language_model."
+DECODER_PREFIX = "model.decoder."
+VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
+
+
+def _untied(c: ModelConfig) -> bool:
+    return not c.tie_word_embeddings
+
+
+def _g(key, where, shape, axes, init, name, **kw) -> Leaf:
+    return _leaf(key, where, shape, axes, init, {LAYOUT: name}, **kw)
+
+
+_H = ("hidden",)
+GEMMA_LEAVES: tuple[Leaf, ...] = (
+    #  key              where          shape      logical axes                           init
+    _g("embed",          TOP,           "V H",     ("vocab", "hidden"),                   "normal",
+       DECODER_PREFIX + "embed_tokens.weight"),
+    _g("final_norm",     TOP,           "H",       _H,                                    "ones",
+       DECODER_PREFIX + "norm.weight"),
+    _g("dec_embed",      TOP,           "V H",     ("vocab", "hidden"),                   "normal",
+       DECODER_PREFIX + "embed_tokens.weight", present=_untied),
+    _g("dec_final_norm", TOP,           "H",       _H,                                    "ones",
+       DECODER_PREFIX + "norm.weight", present=_untied),
+    _g("lm_head",        TOP,           "H V",     ("hidden", "vocab"),                   "normal",
+       "lm_head.weight", hf_transposed=True, present=_untied),
+    _g("sc_pre_norm",    TOP,           "H",       _H,                                    "ones",
+       DECODER_PREFIX + "self_conditioning.pre_norm.weight"),
+    _g("sc_gate",        TOP,           "H I",     ("hidden", "mlp"),                     "normal",
+       DECODER_PREFIX + "self_conditioning.gate_proj.weight", hf_transposed=True),
+    _g("sc_up",          TOP,           "H I",     ("hidden", "mlp"),                     "normal",
+       DECODER_PREFIX + "self_conditioning.up_proj.weight", hf_transposed=True),
+    _g("sc_down",        TOP,           "I H",     ("mlp", "hidden"),                     "normal",
+       DECODER_PREFIX + "self_conditioning.down_proj.weight", hf_transposed=True),
+    # Attention: sliding layers (head_dim, num_kv_heads, a v projection) and full layers (G* dims, none).
+    _g("attn_norm",      LAYER,         "H",       _H,                                    "ones",
+       "input_layernorm.weight"),
+    _g("q",              SLIDING_LAYER, "H Q",     ("hidden", "q_heads"),                 "normal",
+       "self_attn.q_proj.weight", hf_transposed=True),
+    _g("q",              FULL_LAYER,    "H GQ",    ("hidden", "q_heads"),                 "normal",
+       "self_attn.q_proj.weight", hf_transposed=True),
+    _g("k",              SLIDING_LAYER, "H KV",    ("hidden", "kv_heads"),                "normal",
+       "self_attn.k_proj.weight", hf_transposed=True),
+    _g("k",              FULL_LAYER,    "H GKV",   ("hidden", "global_kv_heads"),         "normal",
+       "self_attn.k_proj.weight", hf_transposed=True),
+    _g("v",              SLIDING_LAYER, "H KV",    ("hidden", "kv_heads"),                "normal",
+       "self_attn.v_proj.weight", hf_transposed=True),
+    _g("o",              SLIDING_LAYER, "Q H",     ("q_heads", "hidden"),                 "normal",
+       "self_attn.o_proj.weight", hf_transposed=True),
+    _g("o",              FULL_LAYER,    "GQ H",    ("q_heads", "hidden"),                 "normal",
+       "self_attn.o_proj.weight", hf_transposed=True),
+    _g("q_norm",         SLIDING_LAYER, "D",       ("head_dim",),                         "ones",
+       "self_attn.q_norm.weight"),
+    _g("q_norm",         FULL_LAYER,    "GD",      ("head_dim",),                         "ones",
+       "self_attn.q_norm.weight"),
+    _g("k_norm",         SLIDING_LAYER, "D",       ("head_dim",),                         "ones",
+       "self_attn.k_norm.weight"),
+    _g("k_norm",         FULL_LAYER,    "GD",      ("head_dim",),                         "ones",
+       "self_attn.k_norm.weight"),
+    _g("post_attn_norm", LAYER,         "H",       _H,                                    "ones",
+       "post_attention_layernorm.weight"),
+    # Feed-forward: a dense gated-GELU MLP and a mixture of experts, summed.
+    _g("pre_ff_norm",    LAYER,         "H",       _H,                                    "ones",
+       "pre_feedforward_layernorm.weight"),
+    _g("gate",           LAYER,         "H I",     ("hidden", "mlp"),                     "normal",
+       "mlp.gate_proj.weight", hf_transposed=True),
+    _g("up",             LAYER,         "H I",     ("hidden", "mlp"),                     "normal",
+       "mlp.up_proj.weight", hf_transposed=True),
+    _g("down",           LAYER,         "I H",     ("mlp", "hidden"),                     "normal",
+       "mlp.down_proj.weight", hf_transposed=True),
+    _g("post_ff_norm_1", LAYER,         "H",       _H,                                    "ones",
+       "post_feedforward_layernorm_1.weight"),
+    _g("router",         LAYER,         "H E",     ("hidden", "router"),                  "normal",
+       "router.proj.weight", hf_transposed=True),
+    _g("router_scale",   LAYER,         "H",       _H,                                    "ones",
+       "router.scale"),
+    _g("expert_scale",   LAYER,         "E",       ("router",),                           "ones",
+       "router.per_expert_scale"),
+    _g("pre_ff_norm_2",  LAYER,         "H",       _H,                                    "ones",
+       "pre_feedforward_layernorm_2.weight"),
+    _g("experts_gate",   LAYER,         "E H M",   ("experts", "hidden", "expert_mlp"),   "normal",
+       "experts.gate_up_proj", hf_transposed=True),
+    _g("experts_up",     LAYER,         "E H M",   ("experts", "hidden", "expert_mlp"),   "normal",
+       "experts.gate_up_proj", hf_transposed=True),
+    _g("experts_down",   LAYER,         "E M H",   ("experts", "expert_mlp", "hidden"),   "normal",
+       "experts.down_proj", hf_transposed=True),
+    _g("post_ff_norm_2", LAYER,         "H",       _H,                                    "ones",
+       "post_feedforward_layernorm_2.weight"),
+    _g("post_ff_norm",   LAYER,         "H",       _H,                                    "ones",
+       "post_feedforward_layernorm.weight"),
+    _g("layer_scalar",   LAYER,         "1",       (None,),                               "ones",
+       "layer_scalar"),
+    _g("dec_layer_scalar", LAYER,       "1",       (None,),                               "ones",
+       "layer_scalar", present=lambda c: c.tie_word_embeddings),  # tied: the decoder's own buffer
+)
+
+
+class GemmaTable(ParamTable):
+    """The table with DiffusionGemma's structure: leaves by layer kind, and a second stack when untied."""
+
+    def leaf(self, path: tuple, cfg: ModelConfig | None = None) -> Leaf:
+        """The row of ``path``; a leaf whose row depends on the layer's kind (``q``, ``k``, ...) needs ``cfg``."""
+        rows = self._rows_by_key[axes_key(path)]
+        if len(rows) == 1:
+            return rows[0]
+        if cfg is None:
+            raise LookupError(f"{path}: the row of a layer-kind leaf depends on the config")
+        kind = SLIDING_LAYER if cfg.is_sliding_layer(path[1]) else FULL_LAYER
+        return next(r for r in rows if r.where == kind)
+
+    @functools.cached_property
+    def _rows_by_key(self) -> dict[str, list[Leaf]]:
+        out: dict[str, list[Leaf]] = {}
+        for leaf in self.leaves:
+            out.setdefault(leaf.axes_key, []).append(leaf)
+        return out
+
+    def layer_leaves(self, cfg: ModelConfig, i: int, *, decoder_stack: bool = False) -> Iterator[Leaf]:
+        kind = SLIDING_LAYER if cfg.is_sliding_layer(i) else FULL_LAYER
+        for leaf in self.leaves:
+            if leaf.where in (LAYER, kind) and leaf.exists(cfg):
+                if decoder_stack and leaf.key == "dec_layer_scalar":
+                    continue
+                yield leaf
+
+    def empty(self, cfg: ModelConfig) -> Params:
+        out: Params = {"layers": [{} for _ in range(cfg.num_layers)]}
+        if not cfg.tie_word_embeddings:
+            out["dec_layers"] = [{} for _ in range(cfg.num_layers)]
+        return out
+
+    def stacks(self, cfg: ModelConfig) -> tuple[str, ...]:
+        return ("layers",) if cfg.tie_word_embeddings else ("layers", "dec_layers")
+
+    def paths(self, cfg: ModelConfig) -> Iterator[tuple[tuple, Leaf]]:
+        for leaf in self.leaves:
+            if leaf.where == TOP and leaf.exists(cfg):
+                yield (leaf.key,), leaf
+        for stack in self.stacks(cfg):
+            for i in range(cfg.num_layers):
+                for leaf in self.layer_leaves(cfg, i, decoder_stack=stack == "dec_layers"):
+                    yield (stack, i, leaf.key), leaf
+
+
+GEMMA = GemmaTable(GEMMA_LEAVES)
+register_table(LAYOUT, GEMMA)
