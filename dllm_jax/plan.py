@@ -63,7 +63,18 @@ PRESETS: dict[str, dict] = {
                         partial_rotary_factor=0.5, rope_theta=600000, rms_norm_eps=1e-6,
                         max_position_embeddings=16384, tie_word_embeddings=False, eos_token_id=156892,
                         hidden_act="silu"),
+    # DiffusionGemma-26B-A4B: the Gemma 4 26B-A4B text shape (30 layers, 5 sliding : 1 full, window 1024; sliding
+    # layers 8 KV heads x 256, full layers 2 KV heads x 512; 128 experts of 704, top 8; dense MLP 2112; hidden 2816;
+    # vocab 262,144 -- as its GGUF metadata and transformers' EP-plan note give it), canvas 256, tied.
+    "diffusiongemma-26b-a4b": dict(
+        architectures=["DiffusionGemmaForBlockDiffusion"], model_type="diffusion_gemma", canvas_length=256,
+        tie_word_embeddings=True,
+        text_config=dict(vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
+                         num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
+                         num_global_key_value_heads=2, sliding_window=1024, num_experts=128, top_k_experts=8,
+                         moe_intermediate_size=704, max_position_embeddings=262144, eos_token_id=[1, 106])),
 }
+WINDOW_CONTEXT = 4096  # the per-request context the window table sizes requests at
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,16 +158,100 @@ def param_bytes_per_device(params, cfg: ModelConfig, mesh) -> int:
     return int(sum(leaves))
 
 
-def kv_page_bytes_per_device(cfg: ModelConfig, block_size: int, dtype, mesh) -> int:
-    """One KV page (K and V of every layer for one block) on one device, from the model family's KV layout per
-    layer: the pool's spec splits KV heads over ``tp`` when they divide, else every device holds all of them."""
-    from dllm_jax.model.family import family_of
-    from dllm_jax.sharding import kv_pool_spec
+def _layer_page_bytes(layer, block_size: int, dtype, mesh, tensors: int | None = None) -> int:
+    """One page of one layer on one device: its KV heads split over ``tp`` when they divide (whole heads)."""
+    tp = mesh.shape["tp"]
+    heads = layer.kv_heads // tp if tp > 1 and layer.kv_heads % tp == 0 else layer.kv_heads
+    itemsize = _dtype(dtype if layer.dtype is None else layer.dtype).itemsize
+    return (layer.tensors if tensors is None else tensors) * heads * block_size * layer.head_dim * itemsize
 
-    spec = kv_pool_spec(cfg, mesh, 1, block_size)
-    return sum(2 * _shard_bytes((layer.kv_heads, 1, block_size, layer.head_dim),
-                                dtype if layer.dtype is None else layer.dtype, spec, mesh)
-               for layer in family_of(cfg).kv_layout(cfg))
+
+def kv_page_bytes_per_device(cfg: ModelConfig, block_size: int, dtype, mesh, *, sliding: bool | None = None) -> int:
+    """One KV page (what every layer keeps for one block: K and V, or K alone) on one device, from the model
+    family's KV layout per layer. ``sliding``: only the sliding-window layers' share (True) or the others' (False)."""
+    from dllm_jax.model.family import family_of
+
+    return sum(_layer_page_bytes(layer, block_size, dtype, mesh) for layer in family_of(cfg).kv_layout(cfg)
+               if sliding is None or (layer.window is not None) == sliding)
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowPlan:
+    """KV of a model with sliding-window layers (DiffusionGemma), per token of context on one device: a uniform
+    pool (every layer K and V in one shape, the largest), per-layer shapes with K and V and no window, and ours
+    (full layers the raw k alone; sliding layers at most the pages their window reaches, per request)."""
+
+    name: str
+    tp: int
+    ep: int
+    page_size: int
+    canvas: int
+    uniform_token_bytes: int
+    per_layer_token_bytes: int
+    full_token_bytes: int  # ours: the full layers' share, per token of context
+    sliding_request_bytes: int  # ours: the sliding layers' pages one request holds at most
+    free_bytes: dict  # device GB -> bytes left for KV after the weights and the reserve
+
+    def request_bytes(self, context: int, *, ours: bool = True) -> int:
+        pages = -(-context // self.page_size)
+        if not ours:
+            return pages * self.page_size * self.uniform_token_bytes
+        return pages * self.page_size * self.full_token_bytes + min(
+            pages * self.page_size * (self.per_layer_token_bytes - self._full_kv_token_bytes),
+            self.sliding_request_bytes)
+
+    _full_kv_token_bytes: int = 0  # the full layers' K and V per token (the per-layer figure's share)
+
+    def requests(self, gb: int, context: int = WINDOW_CONTEXT, *, ours: bool = True) -> int:
+        return max(0, self.free_bytes[gb] // self.request_bytes(context, ours=ours))
+
+    def canvases(self, gb: int, *, ours: bool = True) -> int:
+        """Canvases of context (``canvas`` tokens each) one request can hold in the KV that fits."""
+        free = self.free_bytes[gb]
+        if not ours:
+            return max(0, free // (self.uniform_token_bytes * self.canvas))
+        return max(0, (free - self.sliding_request_bytes) // (self.full_token_bytes * self.canvas))
+
+
+def window_plan(p: "Plan", cfg: ModelConfig, device_sizes_gb=DEVICE_SIZES_GB) -> WindowPlan:
+    """The :class:`WindowPlan` of plan ``p`` (its mesh, dtype and page size)."""
+    from dllm_jax.model.family import LayerKV, family_of
+
+    mesh = virtual_mesh(p.tp, p.ep)
+    layers = family_of(cfg).kv_layout(cfg)
+    uniform = LayerKV(max(layer.kv_heads for layer in layers), max(layer.head_dim for layer in layers))
+    per_token = lambda layer, tensors=None: _layer_page_bytes(layer, 1, p.dtype, mesh, tensors)  # noqa: E731
+    sliding_pages = -(-(cfg.sliding_window - 1 + p.block_size) // p.block_size) + 1
+    return WindowPlan(
+        name=p.name, tp=p.tp, ep=p.ep, page_size=p.block_size, canvas=cfg.block_size or p.block_size,
+        uniform_token_bytes=len(layers) * per_token(uniform),
+        per_layer_token_bytes=sum(per_token(layer, 2) for layer in layers),
+        full_token_bytes=sum(per_token(layer) for layer in layers if layer.window is None),
+        sliding_request_bytes=sliding_pages * p.block_size * sum(per_token(layer) for layer in layers
+                                                                  if layer.window is not None),
+        free_bytes={gb: max(0, gb * GB - p.param_bytes_per_device - p.reserve_bytes) for gb in device_sizes_gb},
+        _full_kv_token_bytes=sum(per_token(layer, 2) for layer in layers if layer.window is None))
+
+
+def format_window_table(wplans: list[WindowPlan], device_sizes_gb=DEVICE_SIZES_GB) -> str:
+    head = ["model", "mesh", "KV/token uniform", "per-layer K+V", "ours full", "ours sliding/req"]
+    for gb in device_sizes_gb:
+        head += [f"req@{WINDOW_CONTEXT}@{gb}GB uniform/ours", f"canvases@{gb}GB uniform/ours"]
+    rows = []
+    for w in wplans:
+        row = [w.name, f"tp{w.tp}" + (f" ep{w.ep}" if w.ep > 1 else ""), _size(w.uniform_token_bytes),
+               _size(w.per_layer_token_bytes), _size(w.full_token_bytes), _size(w.sliding_request_bytes)]
+        for gb in device_sizes_gb:
+            row += [f"{w.requests(gb, ours=False):,} / {w.requests(gb):,}",
+                    f"{w.canvases(gb, ours=False):,} / {w.canvases(gb):,}"]
+        rows.append(row)
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+    line = lambda r: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    notes = ("sliding-window KV: uniform = every layer K and V in the largest layer shape, no window; per-layer = "
+             "each layer's own shape, K and V, no window; ours = full layers the raw k alone per token, sliding "
+             f"layers at most (window - 1 + page) / page + 1 pages per request; req = requests of {WINDOW_CONTEXT} "
+             "tokens of context; canvases = one request's context in canvases")
+    return "\n".join([line(head), *(line(r) for r in rows), notes])
 
 
 def make_plan(name: str, cfg: ModelConfig, *, tp: int = 1, ep: int = 1, dtype: str = "bfloat16",
@@ -240,12 +335,18 @@ def run(args) -> int:
     sources = sources or list(PRESETS)
     sizes = tuple(int(x) for x in str(args.device_gb).replace(",", " ").split())
     kwargs = dict(dtype=args.dtype, block_size=args.block_size, reserve_gib=args.reserve_gib)
-    plans = []
+    plans, plan_configs = [], []
     for source in sources:
         name, cfg = load_config(source)
         if args.tp is None and args.ep is None:
-            plans += plan_grid(name, cfg, **kwargs)
+            new = plan_grid(name, cfg, **kwargs)
         else:
-            plans.append(make_plan(name, cfg, tp=args.tp or 1, ep=args.ep or 1, **kwargs))
+            new = [make_plan(name, cfg, tp=args.tp or 1, ep=args.ep or 1, **kwargs)]
+        plans += new
+        plan_configs += [cfg] * len(new)
     print(format_table(plans, sizes))
+    windowed = [window_plan(p, cfg, sizes) for p, cfg in zip(plans, plan_configs) if cfg.sliding_window]
+    if windowed:
+        print()
+        print(format_window_table(windowed, sizes))
     return 0

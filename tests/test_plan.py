@@ -85,3 +85,19 @@ def test_cli_prints_the_table(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:3] == ["model", "mesh", "params/dev"] and "reserve 4 GiB" in lines[-1]
     assert [line.split()[:2] for line in lines[1:3]] == [[tmp_path.name, "tp2"], ["sdar-8b", "tp2"]]
+
+
+def test_diffusiongemma_preset_and_its_window_kv():
+    """DiffusionGemma-26B-A4B at real size: 25.2B parameters; KV per token of context, per device: full layers the
+    raw k alone (2 heads x 512, 5 layers: 10 KiB in bf16), sliding layers bounded per request by their window."""
+    name, cfg = plan.load_config("diffusiongemma-26b-a4b")
+    p = plan.make_plan(name, cfg)
+    assert 25.1e9 < p.total_param_bytes / 2 < 25.3e9
+    w = plan.window_plan(p, cfg)
+    assert w.full_token_bytes == 5 * 2 * 512 * 2 and w.per_layer_token_bytes == 25 * 2 * 8 * 256 * 2 + 5 * 2 * 2 * 512 * 2
+    assert w.uniform_token_bytes == 30 * 2 * 8 * 512 * 2
+    assert w.sliding_request_bytes == (-(-(1023 + 256) // 256) + 1) * 256 * 25 * 2 * 8 * 256 * 2
+    assert w.requests(80) > 5 * w.requests(80, ours=False) and w.canvases(141) > 40 * w.canvases(141, ours=False)
+    # TP 2 splits the full layers' 2 KV heads; TP 4 cannot, so they replicate (as the engine's sharding would)
+    w2, w4 = (plan.window_plan(plan.make_plan(name, cfg, tp=n), cfg) for n in (2, 4))
+    assert w2.full_token_bytes * 2 == w.full_token_bytes == w4.full_token_bytes
