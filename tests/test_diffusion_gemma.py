@@ -31,7 +31,8 @@ CONFIGS = {
     "untied": dict(tie=False),
     "one_full_top1_8experts": dict(layer_types=[SLIDING, SLIDING, SLIDING, FULL], num_experts=8, top_k_experts=1),
     "window_3_top2_8experts": dict(sliding_window=3, num_experts=8, top_k_experts=2),
-    "global_dims_like_sliding": dict(global_head_dim=8, num_global_key_value_heads=2, canvas_length=5),
+    "global_dims_like_sliding_top1": dict(global_head_dim=8, num_global_key_value_heads=2, canvas_length=5,
+                                          top_k_experts=1),
     "clipped_vision_untied": dict(tie=False, clipped_vision=True, global_head_dim=32, num_global_key_value_heads=2),
 }
 
@@ -68,8 +69,12 @@ def _reference_run(model, prompt, canvases, sc_logits):
     return out, kvs
 
 
+CHUNK = 8  # encoder chunks are padded to this many tokens (the rest write to the trash page), as the engine's
+
+
 def _our_run(params, cfg, prompt, canvases, sc_logits, dtype, chunks=(5,)):
-    """The same through our paged forwards (the prompt encoded in chunks split at ``chunks``)."""
+    """The same through our paged forwards (the prompt encoded in chunks split at ``chunks``, each padded to
+    CHUNK tokens; the first step's self-conditioning input is the zeros transformers uses for "none")."""
     total = len(prompt) + len(canvases) * len(canvases[0])
     tables, num_pages = _page_tables(cfg, total)
     pool = gemma.init_kv_pages(cfg, {gemma.SLIDING_KIND: num_pages, gemma.FULL_KIND: num_pages}, PAGE, dtype)
@@ -77,11 +82,14 @@ def _our_run(params, cfg, prompt, canvases, sc_logits, dtype, chunks=(5,)):
     start, out, kvs = 0, [], []
     for i, canvas in enumerate(canvases):
         for piece in pieces:
-            pool = gemma.encode_chunk_jit(params, cfg, jnp.asarray(piece)[None], jnp.asarray([start]),
-                                      jnp.asarray([len(piece)]), pool, tables)
+            padded = np.zeros(CHUNK, np.int32)
+            padded[:len(piece)] = piece
+            pool = gemma.encode_chunk_jit(params, cfg, jnp.asarray(padded)[None], jnp.asarray([start]),
+                                          jnp.asarray([len(piece)]), pool, tables)
             start += len(piece)
         kvs.append(_pool_kv(params, cfg, pool, tables, start, dtype))
-        sc = None if sc_logits[i] is None else gemma.soft_embedding_jit(params, cfg, jnp.asarray(sc_logits[i])[None])
+        sc = jnp.zeros((1, len(canvas), cfg.hidden_size), dtype) if sc_logits[i] is None else \
+            gemma.soft_embedding_jit(params, cfg, jnp.asarray(sc_logits[i])[None])
         hidden = gemma.decode_canvas_jit(params, cfg, jnp.asarray(canvas)[None], jnp.asarray([start]), pool, tables, sc)
         out.append(np.asarray(gemma.logits_jit(params, cfg, hidden)[0]))
         pieces = [np.asarray(canvas)]
@@ -124,10 +132,12 @@ def test_forwards_equal_transformers_float32(tmp_path, name):
     for ours, ref in zip(our_logits, ref_logits):
         assert _rel(ours, ref) < 1e-4, _rel(ours, ref)
     _compare_kv(ref_kvs, our_kvs, 1e-4)
+    if name not in ("tied_2full", "untied"):
+        return
     # the first canvas self-conditioned too, and the prompt in other chunks: the same
     sc_first = [sc_logits[1], None]
     ref_logits, _ = _reference_run(model, PROMPT, canvases, sc_first)
-    our_logits, _ = _our_run(params, cfg, PROMPT, canvases, sc_first, jnp.float32, chunks=(1, 2, 9))
+    our_logits, _ = _our_run(params, cfg, PROMPT, canvases, sc_first, jnp.float32, chunks=(1, 2, 9, 11))
     for ours, ref in zip(our_logits, ref_logits):
         assert _rel(ours, ref) < 1e-4, _rel(ours, ref)
 
@@ -171,10 +181,15 @@ def test_published_layout_variants_load_alike(tmp_path):
     save_file(tensors, twice / "model.safetensors", metadata={"format": "pt"})
     for f in ("config.json", "generation_config.json"):
         (twice / f).write_text((once / f).read_text())
-    a, b = load_model(once).params, load_model(twice).params
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    from dllm_jax.model.loader import convert_checkpoint
+
+    convert_checkpoint(str(once), str(tmp_path / "converted"))  # `dllm-jax convert`: our layout, loads as stored
+    a = load_model(once).params
+    for other in (twice, tmp_path / "converted"):
+        b = load_model(other).params
+        assert jax.tree.structure(a) == jax.tree.structure(b)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -241,7 +256,30 @@ def test_engine_loads_and_generation_says_not_yet(tmp_path):
     engine = dllm_jax.Engine(model_path=str(tmp_path), warmup=False)
     info = engine.get_model_info()
     assert info["architecture"] == "DiffusionGemmaForBlockDiffusion" and info["block_size"] == 4
+    assert info["algorithm"] == "Gemma4Renoise" and info["algorithm_config"] == {  # transformers' defaults
+        "max_denoising_steps": 48, "entropy_bound": 0.1, "t_min": 0.4, "t_max": 0.8, "stability_threshold": 1,
+        "confidence_threshold": 0.005}
     with pytest.raises(NotImplementedError, match="Gemma4Renoise"):
         engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4})
     engine.shutdown()
 
+
+
+def test_generation_config_gives_the_denoising_defaults(tmp_path):
+    """generation_config.json as transformers serialises DiffusionGemma's (the entropy bound in its sampler
+    dataclass's dict, null for unset keys); bad values are errors naming the file and key."""
+    from dllm_jax.model.errors import CheckpointError
+    from dllm_jax.model.generation import renoise_defaults
+
+    gen = tmp_path / "generation_config.json"
+    gen.write_text(json.dumps({"max_denoising_steps": 16, "sampler_config": {"_cls_name": "EntropyBoundSamplerConfig",
+                               "entropy_bound": 0.25}, "t_min": 0.2, "t_max": None, "stability_threshold": 2,
+                               "confidence_threshold": 0.01, "eos_token_id": [1, 106]}))
+    assert renoise_defaults(str(tmp_path)) == {"max_denoising_steps": 16, "entropy_bound": 0.25, "t_min": 0.2,
+                                               "t_max": 0.8, "stability_threshold": 2, "confidence_threshold": 0.01}
+    for bad, match in (({"t_min": 0.9}, "t_max must be greater"), ({"max_denoising_steps": 0}, "max_denoising_steps"),
+                       ({"sampler_config": {"entropy_bound": 0}}, "sampler_config.entropy_bound"),
+                       ({"stability_threshold": 1.5}, "stability_threshold")):
+        gen.write_text(json.dumps(bad))
+        with pytest.raises(CheckpointError, match=match):
+            renoise_defaults(str(tmp_path))

@@ -6,6 +6,7 @@ A mixin of :class:`dllm_jax.engine.engine.Engine` (the attributes it reads are t
 from __future__ import annotations
 
 from dllm_jax.model.family import family_of
+from dllm_jax.model.generation import renoise_defaults
 
 
 class EngineInfo:
@@ -20,7 +21,8 @@ class EngineInfo:
         if self.runner is None:
             return {"model_path": self.model_path, "architecture": cfg.architecture, "block_size": self.block_size,
                     "eos_token_ids": list(self.eos_token_ids), "vocab_size": cfg.vocab_size, "dtype": self.dtype,
-                    "algorithm": self.algorithm_name, "decoding": family_of(cfg).cannot_decode}
+                    "algorithm": self.algorithm_name, "algorithm_config": renoise_defaults(self.model_path),
+                    "decoding": family_of(cfg).cannot_decode}
         return {
             "model_path": self.model_path,
             "architecture": cfg.architecture,

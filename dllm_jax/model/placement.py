@@ -8,6 +8,7 @@ pytree path it is named by (a ``dllm-jax convert`` output). Peak memory is the m
 from __future__ import annotations
 
 import contextlib
+import logging
 import dataclasses
 import functools
 import mmap
@@ -25,6 +26,8 @@ from dllm_jax.model.errors import CheckpointError
 from dllm_jax.model.params import (Params, axes_key, get_leaf, has_leaf, key_path, name_path, param_dtypes,
                                    param_shapes, param_table, path_name, set_leaf)
 from dllm_jax.model.safetensors_io import SafetensorsFile, TensorInfo, safetensor_files
+
+log = logging.getLogger(__name__)
 
 # A tensor that needs a conversion (transpose, split, cast) larger than this is converted in chunks of rows
 # written into a donated output, so the conversion's temporary memory stays about this small.
@@ -231,6 +234,7 @@ def load_safetensors_params(model_dir: str, cfg: ModelConfig, dtype, *, progress
         plan = _plan_ours if ours else _plan
         jobs = [job for st in files for name, info in st.tensors.items()
                 for job in plan(st, name, info, cfg, shapes, dtypes)]
+        _log_skipped_vision(files, cfg)
         total = sum(info.nbytes for st in files for info in st.tensors.values())
         with tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, disable=not progress,
                   leave=False) as bar:
@@ -252,6 +256,18 @@ def load_safetensors_params(model_dir: str, cfg: ModelConfig, dtype, *, progress
         params["lm_head"] = _normalize_head_device(params["lm_head"], jnp.dtype(get_leaf(dtypes, ("lm_head",))))
     _check_complete(params, shapes, cfg, model_dir, placer.filled, ours=ours)
     return params
+
+
+def _log_skipped_vision(files, cfg: ModelConfig) -> None:
+    """One line for the vision tower a multimodal checkpoint carries (text-only serving: never read)."""
+    from dllm_jax.model.gemma_params import LAYOUT, VISION_PREFIXES
+
+    if cfg.family != LAYOUT:
+        return
+    vision = [info.nbytes for st in files for name, info in st.tensors.items() if name.startswith(VISION_PREFIXES)]
+    if vision:
+        log.info("skipping the vision tower: %d tensors, %.1f MB not loaded (text-only serving)", len(vision),
+                 sum(vision) / 1e6)
 
 
 def _plan(st: SafetensorsFile, name: str, info: TensorInfo, cfg: ModelConfig, shapes: Params,

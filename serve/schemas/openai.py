@@ -168,8 +168,10 @@ class ContentPart(_Strict):
 
 def _content_part(part: Any, i: int) -> str:
     if isinstance(part, dict) and isinstance(part.get("type"), str) and part["type"] != "text":
-        raise ValueError(f"content[{i}].type: {part['type']!r} parts are not supported (this server's models read "
-                         f"text only: use {{\"type\": \"text\", \"text\": ...}} parts or a string)")
+        what = "images are not served (a checkpoint's vision tower, e.g. DiffusionGemma's, is not loaded)" \
+            if "image" in part["type"] else "this server's models read text only"
+        raise ValueError(f"content[{i}].type: {part['type']!r} parts are not supported ({what}: use "
+                         f"{{\"type\": \"text\", \"text\": ...}} parts or a string)")
     try:
         return ContentPart.model_validate(part).text
     except ValidationError as e:
