@@ -1,0 +1,112 @@
+"""A batch of DiffusionGemma requests decoded with Gemma4Renoise, start to end: the family's generation loop.
+
+Rows are requests. The encoder encodes the prompts (padded to one chunk length, each row its own length) into a
+paged pool, then canvas after canvas: fresh canvases from each row's counter stream, denoising steps on the
+device until every live row has finished its canvas (one host check per step), the argmax canvases appended,
+EOS looked for, and the canvases encoded into the pool. A row that has finished its request rides along until
+the batch ends (its outputs are not changed).
+
+It is what :meth:`dllm_jax.Engine.generate` runs for this family, and what the replay test drives against
+transformers' ``generate`` (``on_step`` sees every step's draws).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dllm_jax.config import ModelConfig
+from dllm_jax.decode import renoise
+from dllm_jax.model import gemma
+
+PAGE = 16  # tokens per KV page
+
+
+@dataclasses.dataclass
+class RowResult:
+    output_ids: list[int]
+    finish_reason: str  # "stop" (EOS) | "length"
+    forward_passes: int  # decoder forwards this row took part in while unfinished
+    steps_per_canvas: list[int]
+    logprobs: list[float]  # each output token's log-probability under its canvas's last step
+
+
+class RenoiseLoop:
+    def __init__(self, params, cfg: ModelConfig, rcfg: renoise.RenoiseConfig, *, backend: str = "xla",
+                 dtype=jnp.float32):
+        self.params, self.cfg, self.rcfg, self.backend, self.dtype = params, cfg, rcfg, backend, jnp.dtype(dtype)
+        self._encode = jax.jit(functools.partial(gemma.encode_chunk, cfg=cfg), donate_argnames="kv_pages")
+        self._step = jax.jit(functools.partial(renoise.denoise_step, cfg=cfg, rcfg=rcfg, backend=backend),
+                             static_argnames="draws")
+        self._init = jax.jit(functools.partial(renoise.initial_state, cfg, rcfg, dtype=self.dtype))
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: list[int], seeds: list[int], *,
+                 eos_token_ids=(), ignore_eos: list[bool] | None = None,
+                 on_step: Callable | None = None, on_canvas: Callable | None = None) -> list[RowResult]:
+        """Decode every prompt. ``on_step(canvas_index, state, draws)`` after each step; ``on_canvas(row,
+        tokens)`` when a row appends a canvas (streaming)."""
+        cfg, canvas_len = self.cfg, self.cfg.block_size
+        rows = len(prompts)
+        ignore_eos = ignore_eos or [False] * rows
+        canvases = max(-(-n // canvas_len) for n in max_new_tokens)
+        longest = max(len(p) for p in prompts) + canvases * canvas_len
+        width = -(-longest // PAGE)
+        tables = {kind: jnp.asarray(1 + np.arange(rows * width, dtype=np.int32).reshape(rows, width))
+                  for kind in (gemma.SLIDING_KIND, gemma.FULL_KIND)}
+        num_pages = rows * width + 1
+        pool = gemma.init_kv_pages(cfg, {gemma.SLIDING_KIND: num_pages, gemma.FULL_KIND: num_pages}, PAGE,
+                                   self.dtype)
+        chunk = max(len(p) for p in prompts)
+        tokens = np.zeros((rows, chunk), np.int32)
+        for r, p in enumerate(prompts):
+            tokens[r, :len(p)] = p
+        lengths = np.asarray([len(p) for p in prompts], np.int32)
+        pool = self._encode(self.params, tokens=jnp.asarray(tokens), prefix_len=jnp.zeros(rows, jnp.int32),
+                            num_tokens=jnp.asarray(lengths), kv_pages=pool, page_tables=tables)
+        seeds_dev = jnp.asarray(np.asarray(seeds, np.int64).astype(np.uint32))
+        results = [RowResult([], "length", 0, [], []) for _ in range(rows)]
+        done = np.zeros(rows, bool)
+        for c in range(canvases):
+            live = ~done
+            state = self._init(seeds_dev, jnp.full((rows,), c, jnp.int32))
+            state = state._replace(finished=jnp.asarray(done))  # finished requests ride along
+            steps = np.zeros(rows, np.int32)
+            while True:
+                was = np.asarray(state.finished)
+                state, draws = self._step(self.params, state=state, seeds=seeds_dev,
+                                          canvas_index=jnp.full((rows,), c, jnp.int32),
+                                          prefix_len=jnp.asarray(lengths), kv_pages=pool, page_tables=tables,
+                                          draws=True)
+                steps += ~was
+                if on_step is not None:
+                    on_step(c, state, draws)
+                if bool(np.all(np.asarray(state.finished))):
+                    break
+            argmax, logprob = np.asarray(state.argmax), np.asarray(state.logprob)
+            for r in np.flatnonzero(live):
+                res = results[r]
+                res.forward_passes += int(steps[r])
+                res.steps_per_canvas.append(int(steps[r]))
+                take = min(canvas_len, max_new_tokens[r] - len(res.output_ids))
+                new = argmax[r, :take].tolist()
+                hit = next((i for i, t in enumerate(new) if t in eos_token_ids), None) if not ignore_eos[r] else None
+                if hit is not None:
+                    new, done[r], res.finish_reason = new[:hit + 1], True, "stop"
+                res.output_ids += new
+                res.logprobs += logprob[r, :len(new)].tolist()
+                if len(res.output_ids) >= max_new_tokens[r]:
+                    done[r] = True
+                if on_canvas is not None:
+                    on_canvas(r, new)
+            if done.all():
+                break
+            pool = self._encode(self.params, tokens=state.argmax, prefix_len=jnp.asarray(lengths),
+                                num_tokens=jnp.full((rows,), canvas_len, jnp.int32), kv_pages=pool,
+                                page_tables=tables)
+            lengths = lengths + canvas_len
+        return results
