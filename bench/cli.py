@@ -5,7 +5,8 @@
     python -m bench baseline engine         # chosen scenarios
     python -m bench --profile-dir prof/     # also record a JAX profiler trace of a window of engine steps
 
-Scenarios: baseline, concurrency, prefix, prefill, long, schedules, engine, roofline (GPU), kernels, radix, load, bf16.
+Scenarios: baseline, concurrency, prefix, prefill, long, schedules, engine, roofline (GPU), kernels, radix, load, bf16,
+weight_update (and the others of bench/scenarios.py's SCENARIOS).
 Outputs (default ``bench_out/``): ``<scenario>.json``, ``<scenario>.png``, ``summary.json`` (every target figure,
 met or not) and ``summary.txt``. See ``bench/README.md``.
 """
@@ -84,6 +85,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="alternating timing rounds (1 row, 8 rows) per dtype in the bf16 scenario (3; --quick: 1)")
     p.add_argument("--bf16-hf-prompts", type=int, default=None,
                    help="prompts the transformers loop runs in the bf16 scenario (4; --quick: 2)")
+    p.add_argument("--weight-update-layers", type=int, default=None,
+                   help="layers of the weight_update scenario's SDAR-1.7B-shaped model (28; --quick: 4; 0: none)")
+    p.add_argument("--weight-update-repeats", type=int, default=None,
+                   help="updates timed per kind in the weight_update scenario (5; --quick: 3)")
     p.add_argument("--hf-threads", type=int, default=None,
                    help="torch threads for the transformers loop (default: the faster of 1 and all, measured)")
     p.add_argument("--profile-dir", default=None,
@@ -109,7 +114,8 @@ def ctx_from_args(args: argparse.Namespace):
         "load_dir": args.load_dir, "load_keep": args.load_keep or None, "load_layers": args.load_layers,
         "load_repeats": args.load_repeats, "load_convert": args.load_convert, "bf16_layers": args.bf16_layers,
         "bf16_prompts": args.bf16_prompts, "bf16_tokens": args.bf16_tokens, "bf16_hf_prompts": args.bf16_hf_prompts,
-        "bf16_rounds": args.bf16_rounds,
+        "bf16_rounds": args.bf16_rounds, "weight_update_layers": args.weight_update_layers,
+        "weight_update_repeats": args.weight_update_repeats,
     }
     command = "python -m bench" + (" --quick" if args.quick else "")
     return Ctx(out_dir=args.out, quick=args.quick, seed=args.seed, threshold=args.threshold,

@@ -651,6 +651,7 @@ SCENARIOS = {
     "provisional": _lazy("provisional"),
     "load": _lazy("load"),
     "bf16": _lazy("load", "bf16"),
+    "weight_update": _lazy("weight_update"),
 }
 DEFAULT_SCENARIOS = ("baseline", "concurrency", "prefix", "long", "schedules", "engine", "efficiency", "moe",
                      "roofline")

@@ -367,10 +367,19 @@ class Batch:
             yield index, chunk, delta
 
 
+def partial_abort(reason: dict) -> bool:
+    """A request ended by ``pause_generation("abort")`` or an update's ``abort_all_requests``: answered with its
+    partial output and ``finish_reason`` abort (as SGLang), not as an error."""
+    from dllm_jax.engine.pause import PAUSE_ABORT_MESSAGE
+    from dllm_jax.engine.weights import UPDATE_ABORT_MESSAGE
+
+    return reason.get("type") == "abort" and reason.get("message") in (PAUSE_ABORT_MESSAGE, UPDATE_ABORT_MESSAGE)
+
+
 def abort_error(results: list[dict]) -> ApiError | None:
     for res in results:
         reason = res["meta_info"].get("finish_reason") or {}
-        if reason.get("type") == "abort":
+        if reason.get("type") == "abort" and not partial_abort(reason):
             message = str(reason.get("message", "aborted"))
             status = 400 if "KV pages" in message else 500
             return ApiError(status, f"request aborted: {message}")

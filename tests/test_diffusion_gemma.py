@@ -249,20 +249,23 @@ def test_sliding_layers_never_read_pages_older_than_their_window(tmp_path):
     np.testing.assert_array_equal(np.asarray(h1), np.asarray(h2))
 
 
-def test_engine_loads_and_generation_says_not_yet(tmp_path):
+def test_engine_loads_with_the_published_defaults(tmp_path):
+    """``dllm_jax.Engine(model_path=DIR)`` on a directory transformers wrote: the family, the canvas as the block,
+    Gemma4Renoise with transformers' defaults (generation_config.json leaves them unset)."""
     import dllm_jax
 
     write_tiny_diffusion_gemma(tmp_path)
     engine = dllm_jax.Engine(model_path=str(tmp_path), warmup=False)
-    info = engine.get_model_info()
-    assert info["architecture"] == "DiffusionGemmaForBlockDiffusion" and info["block_size"] == 4
-    assert info["algorithm"] == "Gemma4Renoise" and info["algorithm_config"] == {  # transformers' defaults
-        "max_denoising_steps": 48, "entropy_bound": 0.1, "t_min": 0.4, "t_max": 0.8, "stability_threshold": 1,
-        "confidence_threshold": 0.005}
-    with pytest.raises(NotImplementedError, match="Gemma4Renoise"):
-        engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4})
-    engine.shutdown()
-
+    try:
+        info = engine.get_model_info()
+        assert info["architecture"] == "DiffusionGemmaForBlockDiffusion" and info["canvas_length"] == 4
+        assert info["family"] == "diffusion_gemma" and info["algorithm"] == "Gemma4Renoise"
+        assert info["algorithm_config"] == {
+            "max_denoising_steps": 48, "sampler_config": {"entropy_bound": 0.1},
+            "temperature_schedule": {"t_min": 0.4, "t_max": 0.8},
+            "stopping_config": {"confidence_threshold": 0.005, "stability_threshold": 1}}
+    finally:
+        engine.shutdown()
 
 
 def test_generation_config_gives_the_denoising_defaults(tmp_path):

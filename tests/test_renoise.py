@@ -141,7 +141,8 @@ def _sampler(bound):
 
 
 def test_seeded_rows_do_not_depend_on_their_batch(tmp_path):
-    write_tiny_diffusion_gemma(tmp_path, canvas_length=4, sliding_window=3)
+    write_tiny_diffusion_gemma(tmp_path, canvas_length=4, sliding_window=3, num_hidden_layers=2,
+                               layer_types=["sliding_attention", "full_attention"])
     loaded = load_model(tmp_path)
     loop = RenoiseLoop(loaded.params, loaded.config, renoise.RenoiseConfig(max_denoising_steps=STEPS))
     alone = [loop.generate([p], [8], [s])[0].output_ids for p, s in zip(PROMPTS, (1, 2))]

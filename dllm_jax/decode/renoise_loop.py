@@ -23,6 +23,7 @@ import numpy as np
 from dllm_jax.config import ModelConfig
 from dllm_jax.decode import renoise
 from dllm_jax.model import gemma
+from pallas_kernels import next_pow2
 
 PAGE = 16  # tokens per KV page
 
@@ -55,13 +56,13 @@ class RenoiseLoop:
         ignore_eos = ignore_eos or [False] * rows
         canvases = max(-(-n // canvas_len) for n in max_new_tokens)
         longest = max(len(p) for p in prompts) + canvases * canvas_len
-        width = -(-longest // PAGE)
+        width = next_pow2(-(-longest // PAGE))  # (shapes padded to powers of two: few compiles)
         tables = {kind: jnp.asarray(1 + np.arange(rows * width, dtype=np.int32).reshape(rows, width))
                   for kind in (gemma.SLIDING_KIND, gemma.FULL_KIND)}
         num_pages = rows * width + 1
         pool = gemma.init_kv_pages(cfg, {gemma.SLIDING_KIND: num_pages, gemma.FULL_KIND: num_pages}, PAGE,
                                    self.dtype)
-        chunk = max(len(p) for p in prompts)
+        chunk = max(16, next_pow2(max(len(p) for p in prompts)))
         tokens = np.zeros((rows, chunk), np.int32)
         for r, p in enumerate(prompts):
             tokens[r, :len(p)] = p
@@ -105,7 +106,9 @@ class RenoiseLoop:
                     on_canvas(r, new)
             if done.all():
                 break
-            pool = self._encode(self.params, tokens=state.argmax, prefix_len=jnp.asarray(lengths),
+            canvas_tokens = np.zeros((rows, max(16, next_pow2(canvas_len))), np.int32)
+            canvas_tokens[:, :canvas_len] = argmax
+            pool = self._encode(self.params, tokens=jnp.asarray(canvas_tokens), prefix_len=jnp.asarray(lengths),
                                 num_tokens=jnp.full((rows,), canvas_len, jnp.int32), kv_pages=pool,
                                 page_tables=tables)
             lengths = lengths + canvas_len

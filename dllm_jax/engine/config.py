@@ -52,9 +52,10 @@ class EngineConfig:
     block_size: int | None = option(
         None, "tokens per block, also the KV page size (None: algorithm_config's block_size key, else the "
               "model's default)", minimum=1)
-    algorithm: str = option(
-        "LowConfidence", "decoding algorithm (SGLang's names): LowConfidence, JointThreshold, JointThresholdInDel, "
-                         "EBSampling, EntropyThreshold")
+    algorithm: str | None = option(
+        None, "decoding algorithm (SGLang's names; default: the model family's): LowConfidence (SDAR / LLaDA2's "
+              "default), JointThreshold, JointThresholdInDel, EBSampling, EntropyThreshold; Gemma4Renoise "
+              "(DiffusionGemma's, its only one)")
     algorithm_config: dict | str | os.PathLike | None = option(
         None, "the algorithm's options: a dict (on the command line a JSON object, e.g. '{\"threshold\": 0.9}') or "
               "an SGLang-style YAML path; its block_size key sets block_size when that is unset",
@@ -100,6 +101,9 @@ class EngineConfig:
     profile_steps: int = option(
         64, "engine steps a trace records (profile_dir, start_profile); 0: until stop_profile", minimum=0)
     seed: int = option(0, "seed of the sampling seeds of requests that give none", minimum=0)
+    weight_version: str = option(
+        "default", "the name of the loaded weights, in every answer's meta_info.weight_version until an update "
+                   "renames them (update_weights_from_disk / _from_tensor, update_weight_version)")
     context_length: int | None = option(
         None, "the most tokens (prompt and output) of one request, at least one block (None or 0: the model's "
               "max_position_embeddings)")

@@ -22,7 +22,6 @@ import numpy as np
 from dllm_jax import compile_cache
 from dllm_jax.cache.pages import PageAllocator
 from dllm_jax.cache.radix import BlockRadixIndex
-from dllm_jax.decode.algorithms import make_algorithm
 from dllm_jax.decode.step import kv_bytes_per_page
 from dllm_jax.engine.calls import Failed
 from dllm_jax.engine.compilation import ProgressLines
@@ -33,9 +32,12 @@ from dllm_jax.engine.info import EngineInfo
 from dllm_jax.engine.inputs import RequestInputs, sampling_defaults, with_fields
 from dllm_jax.engine.memory import plan_kv_pool
 from dllm_jax.engine.output import ChunkSink, FinishWatcher, Output
+from dllm_jax.engine.pause import PauseGeneration
 from dllm_jax.engine.profiling import Profiling
+from dllm_jax.engine.renoise_engine import RenoiseServing, uses_renoise
 from dllm_jax.engine.sampling import SamplingParams
 from dllm_jax.engine.scheduler import Scheduler
+from dllm_jax.engine.weights import WeightUpdates
 from dllm_jax.model.family import family_of
 from dllm_jax.model.qwen3 import kv_storage_dtype
 
@@ -49,7 +51,7 @@ def default_model_path() -> str:
     return DEFAULT_MODEL_PATH
 
 
-class Engine(RequestInputs, EngineInfo, Profiling):
+class Engine(RequestInputs, EngineInfo, Profiling, WeightUpdates, PauseGeneration, RenoiseServing):
     """A block-diffusion LM server in a Python object.
 
     Options: see :class:`~dllm_jax.engine.config.EngineConfig` (``dllm_jax.EngineConfig``,
@@ -85,10 +87,6 @@ class Engine(RequestInputs, EngineInfo, Profiling):
         self.block_size = B = cfg.block_size
         self.mask_token_id = cfg.mask_token_id
         self.eos_token_ids = tuple(cfg.eos_token_ids)
-        if family_of(cfg).cannot_decode:  # its model loads; decoding it is not in the engine yet
-            return self._load_only(loaded)
-        self.algorithm = make_algorithm(o.algorithm, o.algorithm_config, model_config=cfg)
-        self.algorithm_name = o.algorithm
         self.schedule = o.schedule
         self.dtype = o.dtype
         self.context_length = int(o.context_length or cfg.max_position_embeddings)
@@ -96,6 +94,38 @@ class Engine(RequestInputs, EngineInfo, Profiling):
             raise ValueError(f"context_length: must be at least one block ({B}), got {self.context_length}")
         if o.max_prefill_tokens < B:
             raise ValueError(f"max_prefill_tokens: must be at least one block ({B}), got {o.max_prefill_tokens}")
+        if uses_renoise(cfg):  # DiffusionGemma: its own runner and scheduler (renoise_engine.py)
+            self._build_renoise(loaded, o)
+        else:
+            channel = self._build_sdar(loaded, o, channel)
+        self._rng = np.random.default_rng(o.seed)
+        self._params_cache: dict[tuple, SamplingParams] = {}  # see _sampling_params
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._requests: dict[str, Request] = {}
+        self._lock = threading.RLock()  # one driver of the scheduler at a time
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._wakeup = threading.Event()
+        self._steps = 0
+        self._profile_dir = o.profile_dir
+        self._profile_steps = o.profile_steps
+        self._profiling = False
+        self._profile_lock = threading.Lock()
+        self._shutdown = False
+        self.weight_version = o.weight_version  # meta_info["weight_version"] (dllm_jax/engine/weights.py)
+        self.failure: str | None = None  # multi-process: why the process group failed (the engine is then dead)
+        if channel is not None and hasattr(channel, "barrier"):
+            channel.barrier("engine")  # every process loaded: the first collective will not wait on a slow load
+        if o.warmup and self.is_leader:  # followers compile as they follow the leader's warm-up calls
+            self.warmup()
+        if o.profile_dir is not None:
+            self.start_profile(o.profile_dir)
+
+    def _build_sdar(self, loaded, o, channel):
+        """The SDAR / LLaDA2 runner, pool and scheduler (mask-based block diffusion). Returns the channel."""
+        cfg, B = self.config, self.block_size
+        self.algorithm = family_of(cfg).make_algorithm(o.algorithm, o.algorithm_config, model_config=cfg)
+        self.algorithm_name = o.algorithm or family_of(cfg).default_algorithm
         pages_per_row = math.ceil(self.context_length / B)
         # The KV pool: a share of the memory left now that the weights are placed (dllm_jax.engine.memory).
         self.kv_budget = plan_kv_pool(
@@ -136,27 +166,7 @@ class Engine(RequestInputs, EngineInfo, Profiling):
             context_length=self.context_length, max_prefill_blocks=self.runner.max_prefill_blocks,
             output=self.output,
             max_steps_per_call=o.max_steps_per_call or 1 << 30)
-        self._rng = np.random.default_rng(o.seed)
-        self._params_cache: dict[tuple, SamplingParams] = {}  # see _sampling_params
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._requests: dict[str, Request] = {}
-        self._lock = threading.RLock()  # one driver of the scheduler at a time
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._wakeup = threading.Event()
-        self._steps = 0
-        self._profile_dir = o.profile_dir
-        self._profile_steps = o.profile_steps
-        self._profiling = False
-        self._profile_lock = threading.Lock()
-        self._shutdown = False
-        self.failure: str | None = None  # multi-process: why the process group failed (the engine is then dead)
-        if channel is not None and hasattr(channel, "barrier"):
-            channel.barrier("engine")  # every process loaded: the first collective will not wait on a slow load
-        if o.warmup and self.is_leader:  # followers compile as they follow the leader's warm-up calls
-            self.warmup()
-        if o.profile_dir is not None:
-            self.start_profile(o.profile_dir)
+        return channel
 
     # ------------------------------------------------------------------------------------------
     # Warm-up and requests
@@ -200,8 +210,10 @@ class Engine(RequestInputs, EngineInfo, Profiling):
         self._wakeup.set()
 
     def flush_cache(self) -> bool:
-        """Drop the prefix cache. Refused (False) while requests are running or queued."""
+        """Drop the prefix cache. Refused (False) while requests are running or queued; a RuntimeError while
+        requests are paused in place (``pause_generation``)."""
         with self._lock:
+            self._check_flush()
             if self.scheduler.has_work() or not self._inbox.empty():
                 return False
             self.radix.reset()
@@ -217,6 +229,7 @@ class Engine(RequestInputs, EngineInfo, Profiling):
             except queue.Empty:
                 return
             if kind == "add":
+                item.weight_version = self.weight_version
                 self._requests[item.rid] = item
                 self.scheduler.add(item)
             else:
@@ -230,7 +243,7 @@ class Engine(RequestInputs, EngineInfo, Profiling):
             self._drain_inbox()
             if self.failure is not None:
                 self._fail_all(RuntimeError(self.failure))
-            elif self.scheduler.has_work():
+            elif self.scheduler.has_work() and self.pause_mode is None:  # paused: requests queue (pause.py)
                 with jax.profiler.StepTraceAnnotation("engine_step", step_num=self._steps):
                     try:
                         for call in self.scheduler.schedule():  # plan
@@ -248,7 +261,7 @@ class Engine(RequestInputs, EngineInfo, Profiling):
                     self.stop_profile()
             for rid in [rid for rid, r in self._requests.items() if r.finished]:
                 del self._requests[rid]
-            return self.scheduler.has_work() or not self._inbox.empty()
+            return self.pause_mode is None and (self.scheduler.has_work() or not self._inbox.empty())
 
     def start(self) -> None:
         """Run the scheduler in a background thread (the server's mode)."""
@@ -398,7 +411,7 @@ class Engine(RequestInputs, EngineInfo, Profiling):
                 req.on_event.done.wait()
             return
         while not all(r.finished for r in reqs):
-            self.step()
+            self.step() or time.sleep(0.002)  # False while paused
 
     def _stream(self, ids, params, rid, provisional: bool = False) -> Iterator[dict]:
         sink = ChunkSink(self)
@@ -410,7 +423,7 @@ class Engine(RequestInputs, EngineInfo, Profiling):
                     chunk = sink.chunks.get_nowait()
                 except queue.Empty:
                     if self._thread is None:
-                        self.step()
+                        self.step() or time.sleep(0.002)  # False while paused
                         continue
                     try:
                         chunk = sink.chunks.get(timeout=0.1)

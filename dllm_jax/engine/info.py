@@ -5,24 +5,19 @@ A mixin of :class:`dllm_jax.engine.engine.Engine` (the attributes it reads are t
 
 from __future__ import annotations
 
-from dllm_jax.model.family import family_of
-from dllm_jax.model.generation import renoise_defaults
 
 
 class EngineInfo:
-    def _load_only(self, loaded) -> None:
-        """An engine over a model it cannot decode yet: config, tokenizer and weights, no runner."""
-        self.params, self.runner, self.scheduler, self.algorithm, self._thread = loaded.params, None, None, None, None
-        self.algorithm_name, self._shutdown, self.failure = family_of(self.config).default_algorithm, True, None
-        self.dtype = self.engine_config.dtype
-
     def get_model_info(self) -> dict:
         cfg = self.config
-        if self.runner is None:
+        if hasattr(self, "rcfg"):  # Gemma4Renoise (renoise_engine.py)
             return {"model_path": self.model_path, "architecture": cfg.architecture, "block_size": self.block_size,
                     "eos_token_ids": list(self.eos_token_ids), "vocab_size": cfg.vocab_size, "dtype": self.dtype,
-                    "algorithm": self.algorithm_name, "algorithm_config": renoise_defaults(self.model_path),
-                    "decoding": family_of(cfg).cannot_decode}
+                    "algorithm": self.algorithm_name, "schedule": self.schedule,
+                    "max_running_requests": self.max_running_requests, "num_kv_pages": self.num_kv_pages,
+                    "kv_pool_tokens": self.kv_budget.tokens, "context_length": self.context_length,
+                    "enable_prefix_cache": False, "confidence_backend": self.confidence_backend,
+                    "default_sampling_params": dict(self.default_sampling_params), **self._renoise_info()}
         return {
             "model_path": self.model_path,
             "architecture": cfg.architecture,

@@ -16,7 +16,6 @@ from typing import Callable
 import numpy as np
 
 from dllm_jax.engine.config import SAMPLING_DEFAULTS
-from dllm_jax.model.family import family_of
 from dllm_jax.engine.request import Request
 from dllm_jax.engine.sampling import SamplingParams, check_text
 
@@ -28,9 +27,9 @@ class RequestInputs:
                      rid: str | None = None, on_event: Callable | None = None,
                      field: str = "input_ids", provisional: bool = False, stream: bool = False) -> Request:
         """Validate one request (ValueError naming the field on bad input) and build it; does not enqueue."""
-        if self.runner is None:  # a model whose decoding is not in the engine yet (Engine._load_only)
-            raise NotImplementedError(family_of(self.config).cannot_decode)
         params = self._sampling_params(sampling_params)
+        if hasattr(self, "rcfg"):  # Gemma4Renoise takes no penalties, logit bias, ... (renoise_engine.py)
+            self._check_renoise_request(params)
         # (The checks run at C speed over the ids first, as a prompt may hold thousands; the slow path names the
         # offending one.)
         if not isinstance(input_ids, (list, tuple)) or (

@@ -74,6 +74,7 @@ class Output:
             "e2e_latency": end - req.arrival_time,
             "time_to_first_block": None if req.first_block_time is None else req.first_block_time - req.arrival_time,
             "retractions": req.retractions,
+            "weight_version": req.weight_version,
             **logprob_meta(req),
         }
 
@@ -114,7 +115,8 @@ class Output:
         pieces = None
         if self.tokenizer is not None:
             pieces = [None if m else self.decode([t], req.params.skip_special_tokens) for t, m in zip(tokens, masked)]
-        block = {"offset": req.prefix_len(self.block_size), "step": req.block_steps, "tokens": tokens,
+        offset = req.prefix_len(self.block_size) if req.block_offset is None else req.block_offset
+        block = {"offset": offset, "step": req.block_steps, "tokens": tokens,
                  "masked": masked, "immutable": immutable, "pieces": pieces}
         return {"text": "", "output_ids": [], "finished": False, "provisional": True, "block": block,
                 "meta_info": self.meta_info(req)}

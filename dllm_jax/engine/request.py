@@ -45,6 +45,7 @@ class Request:
     block_tokens: np.ndarray | None = None
     block_immutable: np.ndarray | None = None
     block_page: int | None = None
+    block_offset: int | None = None  # absolute position of the block's first token (None: prefix_len(B))
     block_steps: int = 0
     algo_state: dict[str, np.ndarray] | None = None
     # Log probabilities (params.return_logprob): per position of the block, the figures of the forward that
@@ -61,6 +62,7 @@ class Request:
     cached_tokens: int | None = None  # the prefix matched at the first admission; never changes afterwards
     forward_passes: int = 0  # forwards that served this request (prefill chunks and denoise steps)
     retractions: int = 0
+    weight_version: str | None = None  # of the weights loaded when its last block was decoded (engine/weights.py)
     finish_reason: dict | None = None
     first_block_time: float | None = None
     finish_time: float | None = None

@@ -22,7 +22,8 @@ Registered: SDAR / Qwen3 dense, SDAR-MoE (Qwen3-MoE) and LLaDA2. The three run o
 (:mod:`dllm_jax.model.qwen3`) and one parameter table; they differ in the checkpoint names (``checkpoint_layout``),
 the config fields they parse, the default block size and the chat template. DiffusionGemma
 (:mod:`dllm_jax.model.gemma`, its own table :mod:`dllm_jax.model.gemma_params` and heterogeneous KV layout)
-loads and runs its encoder / decoder forwards; the engine does not decode it yet (``cannot_decode``).
+decodes with Gemma4Renoise (:mod:`dllm_jax.decode.renoise`), served by its own runner and scheduler
+(:mod:`dllm_jax.engine.renoise_engine`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from dllm_jax.config import ConfigError, ModelConfig
 from dllm_jax.model import gemma, qwen3
 from dllm_jax.model.gemma_params import GEMMA
 from dllm_jax.model.params import DECODER, ParamTable
-from dllm_jax.model.templates import LLADA2_CHAT_TEMPLATE
+from dllm_jax.model.templates import GEMMA_CHAT_TEMPLATE, LLADA2_CHAT_TEMPLATE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +90,6 @@ class ModelFamily:
     chat_template: str | None = None  # used when the tokenizer ships none (None: prompts stay raw)
     default_block_size: int = config_module.DEFAULT_SDAR_BLOCK_SIZE
     uses_mask_token: bool = True  # False: the canvas starts from noise (no mask id needed)
-    # Set while the family's model loads but the engine cannot decode it yet: why (NotImplementedError's message).
-    cannot_decode: str | None = None
 
     def parse(self, hf: dict, source: str = "config.json") -> ModelConfig:
         """The config of a ``config.json`` dict this family claims (validated, errors naming the field)."""
@@ -102,7 +101,11 @@ class ModelFamily:
         """An algorithm by name (None: the family's default), as :func:`dllm_jax.decode.algorithms.make_algorithm`."""
         from dllm_jax.decode.algorithms import make_algorithm
 
-        return make_algorithm(name or self.default_algorithm, config, model_config=model_config)
+        name = name or self.default_algorithm
+        if name == "Gemma4Renoise" and self.default_algorithm != name:
+            raise ValueError(f"algorithm: Gemma4Renoise decodes uniform-noise models (DiffusionGemma); {self.name} "
+                             f"is mask-based (its algorithms: LowConfidence, JointThreshold, ...)")
+        return make_algorithm(name, config, model_config=model_config)
 
     def __repr__(self) -> str:
         return f"ModelFamily({self.name!r})"
@@ -124,19 +127,18 @@ LLADA2 = ModelFamily(
 
 
 
-def _gemma_not_yet(*args, **kwargs):
-    raise NotImplementedError(_GEMMA_DECODING)
+def _gemma_not_mask_based(*args, **kwargs):
+    raise NotImplementedError("DiffusionGemma has no mask-based step: it decodes with Gemma4Renoise "
+                              "(dllm_jax.decode.renoise; the engine's renoise_engine.py)")
 
 
-_GEMMA_DECODING = ("DiffusionGemma decoding (the Gemma4Renoise algorithm) is not in the engine yet: the model "
-                   "loads and its encoder / decoder forwards run (dllm_jax.model.gemma), generation does not")
 DIFFUSION_GEMMA = ModelFamily(
     name="diffusion_gemma", architectures=config_module.DIFFUSION_GEMMA_ARCHITECTURES,
     model_types=config_module.DIFFUSION_GEMMA_MODEL_TYPES, parse_fields=lambda *a: {}, param_table=GEMMA,
-    checkpoint_layout="diffusion_gemma", forward_chunk=_gemma_not_yet, forward_chunk_kv=_gemma_not_yet,
-    forward_chunk_rest=_gemma_not_yet, logits_from_hidden=_gemma_not_yet, kv_layout=gemma.kv_layout,
-    default_algorithm="Gemma4Renoise", default_block_size=256, uses_mask_token=False,
-    cannot_decode=_GEMMA_DECODING)
+    checkpoint_layout="diffusion_gemma", forward_chunk=_gemma_not_mask_based,
+    forward_chunk_kv=_gemma_not_mask_based, forward_chunk_rest=_gemma_not_mask_based,
+    logits_from_hidden=_gemma_not_mask_based, kv_layout=gemma.kv_layout, default_algorithm="Gemma4Renoise",
+    default_block_size=256, uses_mask_token=False, chat_template=GEMMA_CHAT_TEMPLATE)
 
 _FAMILIES: list[ModelFamily] = []
 _BY_ARCHITECTURE: dict[str, ModelFamily] = {}

@@ -47,3 +47,15 @@ def render_llada2_chat(messages: list[dict], add_generation_prompt: bool = True)
     for m in rest:
         out += f"<role>{tags.get(m['role'], m['role'].upper())}</role>{m['content']}<|role_end|>"
     return out + ("<role>ASSISTANT</role>" if add_generation_prompt else "")
+
+
+# Gemma's turn format (``<start_of_turn>user ... <end_of_turn>``, the assistant's role named ``model``): used for a
+# DiffusionGemma checkpoint whose tokenizer ships no template (the published one ships its own, which wins).
+GEMMA_CHAT_TEMPLATE = """\
+{{- bos_token }}
+{%- for message in messages %}
+{%- set role = 'model' if message.role == 'assistant' else message.role %}
+{{- '<start_of_turn>' + role + '\\n' + (message.content if message.content is string else '') | trim + '<end_of_turn>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}
+"""

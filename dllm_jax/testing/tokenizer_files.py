@@ -26,6 +26,8 @@ QWEN3_ADDED_TOKENS = (
     ("<|repo_name|>", False), ("<|file_sep|>", False), ("<tool_response>", False), ("</tool_response>", False),
     ("<think>", False), ("</think>", False), (SDAR_MASK_TOKEN, True),
 )
+GEMMA_ADDED_TOKENS = (("<pad>", True), ("<eos>", True), ("<bos>", True), ("<start_of_turn>", True),
+                      ("<end_of_turn>", True))
 LLADA2_ADDED_TOKENS = (("<|endoftext|>", True), ("<role>", True), ("</role>", True), ("<|role_end|>", True),
                        ("<think>", False), ("</think>", False), (LLADA2_MASK_TOKEN, True))
 
@@ -175,3 +177,22 @@ message.content.startswith('<tool_response>')) %}
 {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}
 {%- endif %}
 """
+
+
+def write_gemma_tokenizer(out_dir: str, *, bpe_vocab: int = 400) -> dict[str, int]:
+    """A Gemma-style fast tokenizer (``<bos>``, ``<eos>``, turn markers; Gemma's chat template): for tiny
+    DiffusionGemma fixtures, whose ``vocab_size`` must then be ``bpe_vocab + len(GEMMA_ADDED_TOKENS)``."""
+    from tokenizers import AddedToken
+
+    from dllm_jax.model.templates import GEMMA_CHAT_TEMPLATE
+
+    tok = train_bpe(bpe_vocab)
+    base = tok.get_vocab_size()
+    tok.add_tokens([AddedToken(c, special=s, normalized=False) for c, s in GEMMA_ADDED_TOKENS])
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+           "pad_token": "<pad>", "clean_up_tokenization_spaces": False, "model_max_length": 131072,
+           "chat_template": GEMMA_CHAT_TEMPLATE}
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    return {content: base + i for i, (content, _) in enumerate(GEMMA_ADDED_TOKENS)}

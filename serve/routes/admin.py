@@ -82,6 +82,9 @@ async def internal_load(server: Server = Depends(get_server)):
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(server: Server = Depends(get_server)):
+    refusal = server.engine.flush_refusal()  # requests paused in place (pause_generation)
+    if refusal is not None:
+        return JSONResponse({"success": False, "message": f"Cache not flushed: {refusal}."}, status_code=400)
     ok = server.inflight == 0 and await run_in_threadpool(server.engine.flush_cache)
     if ok:
         return {"success": True, "message": "Cache flushed."}

@@ -19,7 +19,7 @@ import time
 from serve import logprobs
 from serve.errors import error_body
 from serve.schemas import ChatCompletionRequest, CompletionRequest
-from serve.state import SHUTDOWN_MESSAGE, Batch, Server
+from serve.state import SHUTDOWN_MESSAGE, Batch, Server, partial_abort
 from serve.streaming import SSE_DONE, sse
 
 
@@ -51,7 +51,7 @@ def usage(metas: dict[int, dict] | list[dict], n: int = 1) -> dict:
 
 def stream_error(meta: dict) -> dict | None:
     reason = meta.get("finish_reason") or {}
-    if reason.get("type") != "abort":
+    if reason.get("type") != "abort" or partial_abort(reason):
         return None
     message = reason.get("message", "aborted")
     return error_body(503 if message == SHUTDOWN_MESSAGE else 500, f"request aborted: {message}")

@@ -1,0 +1,161 @@
+"""The device side of Gemma4Renoise serving: the weights, the two KV pools and every row's denoising state.
+
+Rows are slots (``max_rows`` of them); a running request holds one. The state of all slots stays on the device
+between calls (``[C, H]`` self-conditioning per row, never logits); a call names the slots it starts and the
+page tables, and gets back only what the host needs (which rows finished, their argmax canvases).
+
+* :meth:`encode` -- prompt chunks and finished canvases through the encoder into the pools (rows padded to a
+  power of two, tokens to a power-of-two chunk; pads write to the trash page);
+* :meth:`denoise` -- denoising steps on the device (a ``while_loop``) until the first live row finishes its canvas
+  (FDFO) or all do (sync), at most ``max_steps``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dllm_jax.config import ModelConfig
+from dllm_jax.decode import renoise
+from dllm_jax.model import gemma
+from pallas_kernels import next_pow2
+
+
+@dataclasses.dataclass
+class EncodeCall:
+    """Encode ``tokens[i]`` of request ``reqs[i]`` at positions ``starts[i]...`` (its page tables ``tables``)."""
+
+    reqs: list
+    tokens: list[list[int]]
+    starts: list[int]
+    tables: dict  # kind -> [rows, width] int32 page ids
+
+
+@dataclasses.dataclass
+class DenoiseCall:
+    reqs: list  # the live rows' requests (for failures)
+    start_slots: list[int]  # slots whose canvas starts now
+    seeds: np.ndarray  # [max_rows] uint32, per slot
+    canvas_index: np.ndarray  # [max_rows] int32
+    prefix_len: np.ndarray  # [max_rows] int32
+    tables: dict  # kind -> [max_rows, width]
+    live: np.ndarray  # [max_rows] bool: slots with a request decoding
+    max_steps: int
+    first_finish: bool  # FDFO: stop at the first live row that finishes
+
+
+@dataclasses.dataclass
+class DenoiseResult:
+    finished: np.ndarray  # [R] bool
+    argmax: np.ndarray  # [R, C] int32
+    logprob: np.ndarray  # [R, C] float32
+    steps: np.ndarray  # [R] int32: steps each row ran in this call
+    entropy: np.ndarray  # [R] float32
+
+
+class _NoCompiler:
+    def wait(self, seconds: float) -> None:  # the SDAR scheduler's background-compile wait; nothing to wait for
+        return None
+
+
+class RenoiseRunner:
+    channel = None  # single process (multi-process serving of this family is not built)
+    compiler = _NoCompiler()
+
+    def __init__(self, params, cfg: ModelConfig, rcfg: renoise.RenoiseConfig, *, num_pages: dict, page_size: int,
+                 max_rows: int, backend: str = "xla", dtype=jnp.float32):
+        self.params, self.cfg, self.rcfg = params, cfg, rcfg
+        self.page_size, self.max_rows, self.dtype = page_size, max_rows, jnp.dtype(dtype)
+        self.num_pages = dict(num_pages)
+        self.pool = gemma.init_kv_pages(cfg, num_pages, page_size, self.dtype)
+        zeros = jnp.zeros((max_rows,), jnp.uint32)
+        state = renoise.initial_state(cfg, rcfg, zeros, zeros.astype(jnp.int32), self.dtype)._replace(
+            finished=jnp.ones((max_rows,), bool))
+        self.state = jax.tree.map(lambda a: jnp.array(a, copy=True), state)  # own buffers: the state is donated
+        self.calls = {"encode": 0, "denoise": 0, "steps": 0}
+        self._encode = jax.jit(functools.partial(gemma.encode_chunk, cfg=cfg), donate_argnames="kv_pages")
+        self._denoise = jax.jit(functools.partial(_denoise_loop, cfg=cfg, rcfg=rcfg, backend=backend),
+                                donate_argnames="state", static_argnames="first_finish")
+
+    def num_buckets(self, **variants) -> int:
+        return 0  # shapes compile on first use (see the class docstring)
+
+    def warmup(self, **variants) -> int:
+        return 0
+
+    def stop_followers(self) -> None:
+        return None
+
+    def pool_lost(self) -> bool:
+        return any(a.is_deleted() for layer in self.pool for a in layer)
+
+    def run(self, call):
+        if isinstance(call, EncodeCall):
+            return self.encode(call)
+        return self.denoise(call)
+
+    def encode(self, call: EncodeCall) -> None:
+        rows = next_pow2(len(call.reqs))
+        chunk = max(16, next_pow2(max(len(t) for t in call.tokens)))
+        tokens = np.zeros((rows, chunk), np.int32)
+        counts = np.zeros(rows, np.int32)
+        starts = np.zeros(rows, np.int32)
+        for i, (toks, start) in enumerate(zip(call.tokens, call.starts)):
+            tokens[i, :len(toks)], counts[i], starts[i] = toks, len(toks), start
+        tables = {k: _pad_rows(v, rows) for k, v in call.tables.items()}
+        self.pool = self._encode(self.params, tokens=jnp.asarray(tokens), prefix_len=jnp.asarray(starts),
+                                 num_tokens=jnp.asarray(counts), kv_pages=self.pool,
+                                 page_tables={k: jnp.asarray(v) for k, v in tables.items()})
+        self.calls["encode"] += 1
+
+    def denoise(self, call: DenoiseCall) -> DenoiseResult:
+        start = np.zeros(self.max_rows, bool)
+        start[call.start_slots] = True
+        self.state, steps = self._denoise(
+            self.params, self.state, jnp.asarray(start), jnp.asarray(call.live), jnp.asarray(call.seeds),
+            jnp.asarray(call.canvas_index), jnp.asarray(call.prefix_len), self.pool,
+            {k: jnp.asarray(v) for k, v in call.tables.items()}, jnp.int32(call.max_steps),
+            first_finish=call.first_finish)
+        s = self.state
+        finished, argmax, logprob, steps, entropy = jax.device_get((s.finished, s.argmax, s.logprob, steps, s.entropy))
+        self.calls["denoise"] += 1
+        self.calls["steps"] += int(steps.max(initial=0))
+        return DenoiseResult(np.asarray(finished), np.asarray(argmax), np.asarray(logprob), np.asarray(steps),
+                             np.asarray(entropy))
+
+
+def _pad_rows(table: np.ndarray, rows: int) -> np.ndarray:
+    out = np.zeros((rows, table.shape[1]), np.int32)
+    out[:table.shape[0]] = table
+    return out
+
+
+def _denoise_loop(params, state, start, live, seeds, canvas_index, prefix_len, kv_pages, page_tables, max_steps, *,
+                  cfg, rcfg, backend, first_finish):
+    """Start the canvases of ``start`` slots, then run steps until a live row finishes (``first_finish``) or all
+    live rows have, at most ``max_steps``. Slots not ``live`` are held finished (they do not change)."""
+    fresh = renoise.initial_state(cfg, rcfg, seeds, canvas_index, state.soft.dtype)
+    pick = lambda a, b: jnp.where(start.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)  # noqa: E731
+    state = jax.tree.map(pick, fresh, state)
+    state = state._replace(finished=jnp.where(live, state.finished, True))
+    was = state.finished
+
+    def cond(carry):
+        st, i, _ = carry
+        newly = st.finished & ~was
+        stop = jnp.any(newly) if first_finish else jnp.all(st.finished)
+        return (i < max_steps) & ~stop & ~jnp.all(st.finished)
+
+    def body(carry):
+        st, i, steps = carry
+        steps = steps + (~st.finished).astype(jnp.int32)
+        st = renoise.denoise_step(params, cfg, rcfg, st, seeds, canvas_index, prefix_len, kv_pages, page_tables,
+                                  backend=backend)
+        return st, i + 1, steps
+
+    state, _, steps = jax.lax.while_loop(cond, body, (state, jnp.int32(0), jnp.zeros_like(prefix_len)))
+    return state, steps

@@ -1,0 +1,148 @@
+"""DiffusionGemma through the engine: the renoise scheduler's answers equal the batch loop's (which replays
+transformers exactly, tests/test_renoise.py), whatever the schedule, the batch, retractions; pages are exact after
+every run; options that do not apply are refused naming them."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+import dllm_jax  # noqa: E402
+from dllm_jax.decode import renoise  # noqa: E402
+from dllm_jax.decode.renoise_loop import RenoiseLoop  # noqa: E402
+from dllm_jax.model.loader import load_model  # noqa: E402
+from dllm_jax.testing.diffusion_gemma import FULL, SLIDING, write_tiny_diffusion_gemma  # noqa: E402
+from dllm_jax.testing.tokenizer_files import write_gemma_tokenizer  # noqa: E402
+
+STEPS = 5
+PROMPTS = [[5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 12], [7, 7, 30, 4, 11], [9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+                                                                         13, 14, 15, 16, 17, 18, 19, 20, 21]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dg")
+    # window 6 < prompts: the sliding pool gives pages back as the context grows
+    # a Gemma-style tokenizer (its chat template; vocabulary 405, EOS <eos> / <end_of_turn>)
+    ids = write_gemma_tokenizer(str(path))
+    write_tiny_diffusion_gemma(path, canvas_length=4, sliding_window=6, tie=False, num_hidden_layers=2,
+                               layer_types=[SLIDING, FULL], vocab_size=405,  # two layers: half the compile time
+                               eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]])
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    loaded = load_model(model_dir)
+    loop = RenoiseLoop(loaded.params, loaded.config, renoise.RenoiseConfig(max_denoising_steps=STEPS))
+    return {i: loop.generate([p], [10], [40 + i])[0] for i, p in enumerate(PROMPTS)}
+
+
+def _engine(model_dir, **kw):
+    return dllm_jax.Engine(model_path=model_dir, warmup=False, algorithm_config={"max_denoising_steps": STEPS}, **kw)
+
+
+@pytest.fixture(scope="module")
+def fdfo(model_dir):
+    engine = _engine(model_dir, max_running_requests=2)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("schedule", ["fdfo", "sync"])
+def test_engine_answers_equal_the_loop(model_dir, reference, schedule, fdfo):
+    engine = fdfo if schedule == "fdfo" else _engine(model_dir, schedule=schedule, max_running_requests=2)
+    try:
+        outs = engine.generate(input_ids=PROMPTS, sampling_params=[
+            {"max_new_tokens": 10, "seed": 40 + i, "ignore_eos": True} for i in range(len(PROMPTS))])
+        for i, out in enumerate(outs):
+            assert out["output_ids"] == reference[i].output_ids  # 10 tokens: the third canvas cut at 2
+            assert out["meta_info"]["finish_reason"]["type"] == "length"
+        engine.scheduler.check_pages()
+        assert engine.scheduler.full.num_free == engine.scheduler.full.capacity
+        assert engine.scheduler.sliding.num_free == engine.scheduler.sliding.capacity
+        info = engine.get_model_info()
+        assert info["algorithm"] == "Gemma4Renoise" and info["canvas_length"] == 4
+        assert info["algorithm_config"]["max_denoising_steps"] == STEPS
+    finally:
+        if engine is not fdfo:
+            engine.shutdown()
+
+
+def test_retraction_keeps_the_answers(model_dir, fdfo):
+    """A full-layer pool of 3 usable pages (16 tokens each) cannot hold two requests growing to 35 and 29 tokens:
+    the newer one is retracted, re-admitted later, and both answers are those of an engine with room."""
+    params = [{"max_new_tokens": 24, "seed": 7 + i, "ignore_eos": True} for i in range(2)]
+    want = [o["output_ids"] for o in fdfo.generate(input_ids=PROMPTS[:2], sampling_params=params)]
+    engine = _engine(model_dir, max_running_requests=2, num_kv_pages=4)
+    try:
+        outs = engine.generate(input_ids=PROMPTS[:2], sampling_params=params)
+        assert [o["output_ids"] for o in outs] == want and all(len(w) == 24 for w in want)
+        assert engine.scheduler.stats["retractions"] > 0
+        engine.scheduler.check_pages()
+    finally:
+        engine.shutdown()
+
+
+def test_stream_logprobs_and_refusals(model_dir, reference, fdfo):
+    engine = fdfo
+    try:
+        chunks = list(engine.generate(input_ids=PROMPTS[0], stream=True, return_logprob=True,
+                                      sampling_params={"max_new_tokens": 10, "seed": 40, "ignore_eos": True}))
+        assert [len(c["output_ids"]) for c in chunks if c["output_ids"]] == [4, 4, 2]  # one chunk per canvas
+        assert sum((c["output_ids"] for c in chunks), []) == reference[0].output_ids
+        lps = chunks[-1]["meta_info"]["output_token_logprobs"]
+        assert [t for _, t, _ in lps] == reference[0].output_ids
+        assert all(lp <= 0 for lp, _, _ in lps)
+        for bad in ({"presence_penalty": 0.5}, {"min_new_tokens": 3}, {"logit_bias": {"3": 1.0}}):
+            with pytest.raises(ValueError, match=next(iter(bad))):
+                engine.generate(input_ids=PROMPTS[0], sampling_params=dict(bad, max_new_tokens=4))
+        engine.scheduler.check_pages()
+    finally:
+        pass
+    with pytest.raises(ValueError, match="algorithm.*Gemma4Renoise"):
+        dllm_jax.Engine(model_path=model_dir, warmup=False, algorithm="LowConfidence")
+    with pytest.raises(ValueError, match="sampler_config.entropy_bound"):
+        dllm_jax.Engine(model_path=model_dir, warmup=False, algorithm_config={"sampler_config": {"entropy_bound": -1}})
+
+
+def _sse(text: str) -> list:
+    import json
+
+    return [e if e == "[DONE]" else json.loads(e) for line in text.splitlines() if line.startswith("data: ")
+            for e in [line[len("data: "):]]]
+
+
+def test_served_over_http(fdfo):
+    """``dllm-jax serve`` on a DiffusionGemma directory: /generate (text, the tokenizer's), OpenAI chat with the
+    Gemma chat template, streaming one chunk per canvas with provisional frames (the argmax canvas after each
+    step) between them, get_model_info with the family and the algorithm's settings."""
+    from fastapi.testclient import TestClient
+
+    from serve import ServerSettings, create_app
+
+    app = create_app(fdfo, ServerSettings(), own_engine=False)
+    with TestClient(app, base_url="http://localhost") as client:
+        info = client.get("/get_model_info").json()
+        assert info["family"] == "diffusion_gemma" and info["canvas_length"] == 4
+        assert info["algorithm"] == "Gemma4Renoise" and info["algorithm_config"]["stopping_config"] == {
+            "confidence_threshold": 0.005, "stability_threshold": 1}
+        body = {"text": "hello world", "sampling_params": {"max_new_tokens": 8, "seed": 3, "ignore_eos": True}}
+        whole = client.post("/generate", json=body).json()
+        assert len(whole["output_ids"]) == 8 and isinstance(whole["text"], str)
+        events = _sse(client.post("/generate", json={**body, "stream": True, "stream_provisional": True}).text)
+        assert events[-1] == "[DONE]"
+        committed = [e["output_ids"] for e in events[:-1] if not e["meta_info"]["provisional"]]
+        provisional = [e["meta_info"]["block"] for e in events[:-1] if e["meta_info"]["provisional"]]
+        # (SGLang's streaming: each chunk carries the output so far) one chunk per finished canvas
+        assert committed[-1] == whole["output_ids"] and [len(c) for c in committed if c] == [4, 8]
+        assert provisional and all(len(b["tokens"]) == 4 and not any(b["masked"]) for b in provisional)
+        prompt = whole["meta_info"]["prompt_tokens"]
+        assert {b["offset"] for b in provisional} == {prompt, prompt + 4}  # the canvases' first positions
+        chat = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 8, "seed": 5})
+        assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] <= 8
+        bad = client.post("/generate", json={"text": "hi", "sampling_params": {"frequency_penalty": 1.0}})
+        assert bad.status_code == 400 and "frequency_penalty" in bad.text
+    fdfo.scheduler.check_pages()
