@@ -60,8 +60,9 @@ def test_engine_answers_equal_the_loop(model_dir, reference, schedule, fdfo):
             assert out["output_ids"] == reference[i].output_ids  # 10 tokens: the third canvas cut at 2
             assert out["meta_info"]["finish_reason"]["type"] == "length"
         engine.scheduler.check_pages()
-        assert engine.scheduler.full.num_free == engine.scheduler.full.capacity
-        assert engine.scheduler.sliding.num_free == engine.scheduler.sliding.capacity
+        held_full, held_sliding = engine.scheduler.index.held()  # what the prefix cache keeps; the rest is free
+        assert engine.scheduler.full.num_free + len(held_full) == engine.scheduler.full.capacity
+        assert engine.scheduler.sliding.num_free + len(held_sliding) == engine.scheduler.sliding.capacity
         info = engine.get_model_info()
         assert info["algorithm"] == "Gemma4Renoise" and info["canvas_length"] == 4
         assert info["algorithm_config"]["max_denoising_steps"] == STEPS
@@ -146,3 +147,26 @@ def test_served_over_http(fdfo):
         bad = client.post("/generate", json={"text": "hi", "sampling_params": {"frequency_penalty": 1.0}})
         assert bad.status_code == 400 and "frequency_penalty" in bad.text
     fdfo.scheduler.check_pages()
+
+
+def test_prefix_reuse_is_exact(model_dir, fdfo):
+    """A prompt whose first page(s) another request encoded reuses them (the encoder is causal: the same K/V) and
+    answers exactly as with the cache off; a follow-up turn reuses the first turn's prompt and answer."""
+    prompt = PROMPTS[2]  # 22 tokens: one complete page of 16
+    params = {"max_new_tokens": 8, "seed": 9, "ignore_eos": True}
+    fdfo.flush_cache()
+    first = fdfo.generate(input_ids=prompt, sampling_params=params)
+    second = fdfo.generate(input_ids=prompt, sampling_params=params)
+    assert first["meta_info"]["cached_tokens"] == 0 and second["meta_info"]["cached_tokens"] == 16
+    assert second["output_ids"] == first["output_ids"]
+    follow = prompt + first["output_ids"] + [3, 1, 4, 1, 5]  # 35 tokens: pages 0 and 1 were encoded before
+    turn = fdfo.generate(input_ids=follow, sampling_params=params)
+    assert turn["meta_info"]["cached_tokens"] == 16
+    cold = _engine(model_dir, max_running_requests=2, enable_prefix_cache=False)
+    try:
+        assert cold.generate(input_ids=follow, sampling_params=params)["output_ids"] == turn["output_ids"]
+        assert cold.generate(input_ids=prompt, sampling_params=params)["output_ids"] == first["output_ids"]
+    finally:
+        cold.shutdown()
+    fdfo.scheduler.check_pages()
+    assert fdfo.get_load()["kv_pages_cached"] > 0

@@ -16,7 +16,7 @@ class EngineInfo:
                     "algorithm": self.algorithm_name, "schedule": self.schedule,
                     "max_running_requests": self.max_running_requests, "num_kv_pages": self.num_kv_pages,
                     "kv_pool_tokens": self.kv_budget.tokens, "context_length": self.context_length,
-                    "enable_prefix_cache": False, "confidence_backend": self.confidence_backend,
+                    "enable_prefix_cache": self.enable_prefix_cache, "confidence_backend": self.confidence_backend,
                     "default_sampling_params": dict(self.default_sampling_params), **self._renoise_info()}
         return {
             "model_path": self.model_path,

@@ -15,8 +15,6 @@ import logging
 
 import jax
 
-from dllm_jax.cache.pages import PageAllocator
-from dllm_jax.cache.radix import BlockRadixIndex
 from dllm_jax.decode import renoise
 from dllm_jax.engine.memory import KVBudget, available_memory, human, plan_kv_pool
 from dllm_jax.engine.output import Output
@@ -59,7 +57,8 @@ class RenoiseServing:
         chunk = max(C, o.max_prefill_tokens)
         window = cfg.sliding_window if any(cfg.is_sliding_layer(i) for i in range(cfg.num_layers)) else None
         per_row = (-(-(window - 1 + chunk) // S) + 2) if window else 1
-        sliding_pages = o.max_running_requests * per_row + 1
+        cached_windows = -(-(window - 1) // S) + 1 if window else 0  # room for as many cached prefixes' windows
+        sliding_pages = o.max_running_requests * (per_row + cached_windows) + 1
         sliding_bytes = sliding_pages * _layer_page_bytes(cfg, True, o.dtype)
         full_page = _layer_page_bytes(cfg, False, o.dtype)
         device = jax.devices()[0]
@@ -75,7 +74,7 @@ class RenoiseServing:
         self.num_kv_pages = budget.num_pages
         log.info("%s", self.kv_budget.describe(self.context_length))
         self.max_running_requests = o.max_running_requests
-        self.enable_prefix_cache = False
+        self.enable_prefix_cache = o.enable_prefix_cache
         self.tensor_parallel_size, self.expert_parallel_size, self.mesh = 1, 1, None
         self.runner = RenoiseRunner(loaded.params, cfg, self.rcfg,
                                     num_pages={FULL_KIND: budget.num_pages, SLIDING_KIND: sliding_pages},
@@ -85,9 +84,10 @@ class RenoiseServing:
         self.scheduler = RenoiseScheduler(
             self.runner, canvas=C, eos_token_ids=self.eos_token_ids, max_running_requests=o.max_running_requests,
             context_length=self.context_length, window=window, output=self.output, schedule=o.schedule,
-            max_steps_per_call=o.max_steps_per_call or 1 << 30, max_prefill_tokens=chunk)
+            max_steps_per_call=o.max_steps_per_call or 1 << 30, max_prefill_tokens=chunk,
+            enable_prefix_cache=o.enable_prefix_cache)
         self.allocator = self.scheduler.full
-        self.radix = BlockRadixIndex(S, PageAllocator(2), enabled=False)
+        self.radix = self.scheduler.index  # flush_cache / get_load read it as the SDAR engine's radix index
 
     def _check_renoise_request(self, params) -> None:
         """A ValueError naming the first option a renoise request cannot take."""

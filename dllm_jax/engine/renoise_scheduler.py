@@ -15,7 +15,10 @@ forward (positions ``< prefix_len - (window - 1)``), so a request holds at most 
 page_size`` of them whatever its length. When pages run out the newest other running request is retracted (its
 pages freed, its outputs kept); re-admitted, it re-encodes its real tokens and continues with the same canvas
 index, hence the same draws: the same tokens as if it had never left. A request's draws depend only on its seed.
-Prefix reuse across requests is not built for this family yet (each request encodes its whole prompt).
+Prefix reuse (:mod:`dllm_jax.cache.window_radix`): complete pages of encoded real tokens enter the index as they
+are encoded (and when a request finishes or is retracted); an admitted request starts from the longest cached
+prefix whose window is cached too, and encodes only the rest. Under pressure the index gives back sliding pages
+first, then whole leaves, before any running request is retracted.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Iterator
 import numpy as np
 
 from dllm_jax.cache.pages import TRASH_PAGE, OutOfPages, PageAllocator
+from dllm_jax.cache.window_radix import WindowPrefixIndex
 from dllm_jax.engine.calls import Failed
 from dllm_jax.engine.commit import CommitMixin, PROVISIONAL
 from dllm_jax.engine.renoise_runner import DenoiseCall, DenoiseResult, EncodeCall, RenoiseRunner
@@ -42,7 +46,7 @@ log = logging.getLogger(__name__)
 class RenoiseScheduler(CommitMixin):
     def __init__(self, runner: RenoiseRunner, *, canvas: int, eos_token_ids: tuple[int, ...], max_running_requests: int,
                  context_length: int, window: int | None, output=None, schedule: str = "fdfo",
-                 max_steps_per_call: int = 1 << 30, max_prefill_tokens: int = 4096):
+                 max_steps_per_call: int = 1 << 30, max_prefill_tokens: int = 4096, enable_prefix_cache: bool = True):
         self.runner = runner
         self.C, self.S = canvas, runner.page_size
         self.window = window
@@ -56,6 +60,7 @@ class RenoiseScheduler(CommitMixin):
         # are given back between them)
         self.full = PageAllocator(runner.num_pages[FULL_KIND])
         self.sliding = PageAllocator(runner.num_pages[SLIDING_KIND])
+        self.index = WindowPrefixIndex(self.S, window, self.full, self.sliding, enabled=enable_prefix_cache)
         self._stop_sets: dict[tuple, frozenset[int]] = {}
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -115,10 +120,15 @@ class RenoiseScheduler(CommitMixin):
             req = self.waiting[0]
             slot = min(set(range(self.max_running)) - set(self._slot.values()))
             self._slot[req] = slot
-            self._kv_len[req] = 0
-            self._sliding_pages[req] = []
-            req.pages, req.own_pages = [], set()
-            if not self._pages_for(req, min(req.real_len, self.chunk), retract=False):
+            full, sliding = self.index.match(req.real_ids)  # a cached prefix: its pages, our own references
+            self.index.take(full, sliding)
+            self._kv_len[req] = len(full) * self.S
+            self._sliding_pages[req] = sliding
+            req.pages, req.own_pages = list(full), set(full)
+            if req.cached_tokens is None:
+                req.cached_tokens = self._kv_len[req]
+                self.stats["cached_tokens"] += req.cached_tokens
+            if not self._pages_for(req, min(req.real_len, self._kv_len[req] + self.chunk), retract=False):
                 self._release(req)
                 if not self.running:  # alone and still too long: it can never run
                     self.waiting.popleft()
@@ -128,6 +138,9 @@ class RenoiseScheduler(CommitMixin):
             self.waiting.popleft()
             self.running.append(req)
             req.phase = Phase.PREFILL
+            if self._kv_len[req] == req.real_len:  # all of it cached: its canvas starts now
+                req.phase = Phase.DECODE
+                self._starting.add(req)
 
     def _pages_for(self, req: Request, length: int, *, retract: bool = True) -> bool:
         """Hold pages for the first ``length`` positions (full and sliding); may retract other requests."""
@@ -141,6 +154,12 @@ class RenoiseScheduler(CommitMixin):
                     self.full.free(full)
                     raise
             except OutOfPages:
+                short_full = need - len(req.pages) - self.full.num_free
+                short_sliding = need - len(self._sliding_pages[req]) - self.sliding.num_free
+                if (short_full > 0 and self.index.evict_full(short_full)) or \
+                        (short_sliding > 0 and (self.index.evict_sliding(short_sliding)
+                                                or self.index.evict_full(short_sliding))):
+                    continue  # cached pages went back to the pools
                 victim = next((r for r in reversed(self.running) if r is not req), None) if retract else None
                 if victim is None:
                     return False
@@ -175,12 +194,19 @@ class RenoiseScheduler(CommitMixin):
 
     def _retract(self, req: Request) -> None:
         log.info("retracting request %s (KV pages ran out); it keeps %d output tokens", req.rid, len(req.output_ids))
+        self._cache(req)  # its encoded pages stay findable: re-admitted, it may find them still there
         self._release(req)
         self.running.remove(req)
         req.phase = Phase.WAITING
         req.retractions += 1
         self.stats["retractions"] += 1
         self.waiting.appendleft(req)
+
+    def _cache(self, req: Request) -> None:
+        """Offer the request's complete pages of encoded real tokens to the prefix index."""
+        kv_len = self._kv_len.get(req, 0)
+        if kv_len >= self.S:
+            self.index.insert(req.real_ids[:kv_len], req.pages, self._sliding_pages.get(req, []))
 
     def _tables(self, reqs: list[Request], rows: int) -> dict:
         width = next_pow2(max([len(r.pages) for r in reqs] + [1]))
@@ -215,6 +241,7 @@ class RenoiseScheduler(CommitMixin):
             if req not in self.running:
                 continue
             self._kv_len[req] += len(tokens)
+            self._cache(req)
             self._release_window(req)
             if self._kv_len[req] == req.real_len:
                 req.phase = Phase.DECODE
@@ -281,9 +308,11 @@ class RenoiseScheduler(CommitMixin):
     # ------------------------------------------------------------------------------------------
     # Finish
     # ------------------------------------------------------------------------------------------
-    def _finish(self, req: Request, reason: dict) -> None:
+    def _finish(self, req: Request, reason: dict, *, cache: bool = True) -> None:
         if req.finished:
             return
+        if cache and req in self.running:
+            self._cache(req)
         self._release(req)
         if req in self.running:
             self.running.remove(req)
@@ -308,13 +337,15 @@ class RenoiseScheduler(CommitMixin):
         log.error("request %s failed: %s: %s", req.rid, type(error).__name__, error)
         if req in self.waiting:
             self.waiting.remove(req)
-        self._finish(req, {"type": "abort", "message": f"internal error: {type(error).__name__}: {error}"})
+        self._finish(req, {"type": "abort", "message": f"internal error: {type(error).__name__}: {error}"},
+                     cache=False)  # (its K/V may be what failed)
 
     def check_pages(self) -> None:
-        """Every page of both pools is free or held by exactly one running request."""
-        for allocator, held in ((self.full, [p for r in self.running for p in r.own_pages]),
+        """Every page of both pools is free or held: a reference per running request using it, one per index node."""
+        index_full, index_sliding = self.index.held()
+        for allocator, held in ((self.full, [p for r in self.running for p in r.own_pages] + index_full),
                                 (self.sliding, [p for r in self.running for p in self._sliding_pages.get(r, [])
-                                                if p != TRASH_PAGE])):
+                                                if p != TRASH_PAGE] + index_sliding)):
             holders = collections.Counter(held)
             for page in range(1, allocator.capacity + 1):
                 assert allocator.refcount(page) == holders[page], \
