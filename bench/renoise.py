@@ -10,7 +10,9 @@ transformers' ``generate`` on a tiny DiffusionGemma-shaped checkpoint (CPU).
   (the plan's 47 GiB) and a 4 GiB reserve, counting each formulation's per-row step memory and the per-row state
   between steps (transformers keeps the processed logits; ours the ``[C, H]`` soft embedding).
 * ``speed``: 1 and 16 concurrent requests, the engine (FDFO) vs transformers' ``generate`` (one call per request,
-  as its batch would pad them alike), tokens per second, denoising steps per canvas and tokens per forward.
+  as its batch would pad them alike), each timed after a warm-up run of the same shapes: tokens per second,
+  denoising steps per canvas and tokens per forward (a random tiny model never stops a canvas early: every canvas
+  takes all ``max_denoising_steps``).
 
 Writes ``renoise.json`` and prints the tables.
 """
@@ -79,11 +81,14 @@ def speed(levels=(1, 16), max_new=16, steps=8) -> dict:
         engine.generate(input_ids=prompts[:2], sampling_params={"max_new_tokens": max_new, "ignore_eos": True})
         for n in levels:
             params = [{"max_new_tokens": max_new, "seed": i, "ignore_eos": True} for i in range(n)]
+            engine.generate(input_ids=prompts[:n], sampling_params=params)  # compiles this level's shapes
             t0 = time.perf_counter()
             outs = engine.generate(input_ids=prompts[:n], sampling_params=params)
             wall = time.perf_counter() - t0
             tokens = sum(len(o["output_ids"]) for o in outs)
             passes = sum(o["meta_info"]["forward_passes"] for o in outs)
+            with torch.no_grad():  # (transformers' first call pays its own warm-up)
+                model.generate(torch.tensor([prompts[0]]), max_new_tokens=max_new, max_denoising_steps=steps)
             t0 = time.perf_counter()
             hf_tokens = hf_passes = 0
             for p in prompts[:n]:
