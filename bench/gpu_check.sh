@@ -10,7 +10,8 @@
 #    runner's host overhead per step (batch 1 and 64), the scheduler's host overhead with 32 requests in flight,
 #    and the two GPU targets (batch-1 step <= 1.5x the memory floor, batch-64 step <= 2x the compute floor). It
 #    stops starting new cases after ROOFLINE_BUDGET_S seconds and rewrites its JSON after every case;
-# 3. python -m bench.kernels: the Pallas kernels vs XLA at the same shapes;
+# 3. python -m bench.kernels: the Pallas kernels vs XLA at the same shapes; python -m bench.renoise_gpu: one
+#    Gemma4Renoise step at the DiffusionGemma-26B-A4B shape (6 layers) beside its memory and compute floors;
 # 4. the engine end to end on the GPU: the README demo (shipped model, Pallas backends), then
 #    python -m bench efficiency (issue 16): wall vs the bare forwards of the same calls, shipped model and the
 #    random 50M model, 1 / 16 / 64 concurrent, FDFO and sync (each model under its own time limit).
@@ -47,6 +48,10 @@ echo "roofline exit ${PIPESTATUS[0]} after $(( $(date +%s) - T0 )) s"
 echo "== kernels =="
 timeout "${KERNELS_TIMEOUT_S:-110}" "$PY" -m bench.kernels $SMOKE --out "$DEST/kernels.json" 2>&1 | tee "$DEST/kernels.log"
 echo "kernels exit ${PIPESTATUS[0]} after $(( $(date +%s) - T0 )) s"
+
+echo "== DiffusionGemma-26B-A4B-shaped renoise step (6 layers, bf16 random weights) =="
+timeout "${RENOISE_TIMEOUT_S:-120}" "$PY" -m bench.renoise_gpu $SMOKE --out "$DEST/renoise_gpu.json" 2>&1 | tee "$DEST/renoise_gpu.log"
+echo "renoise exit ${PIPESTATUS[0]} after $(( $(date +%s) - T0 )) s"
 
 echo "== engine: the README demo on the GPU =="
 timeout 60 "$PY" -c "import sys; from dllm_jax.cli import main; sys.exit(main())" generate "Count up 11 steps from 71." 2>&1 | tee "$DEST/demo.log"
