@@ -170,3 +170,23 @@ def test_prefix_reuse_is_exact(model_dir, fdfo):
         cold.shutdown()
     fdfo.scheduler.check_pages()
     assert fdfo.get_load()["kv_pages_cached"] > 0
+
+
+def test_abort_and_stop_strings(fdfo):
+    """An aborted stream ends with finish_reason abort and gives its pages back; a stop string cuts the answer
+    where the same seeded answer without it had that text."""
+    params = {"max_new_tokens": 40, "seed": 11, "ignore_eos": True}
+    stream = fdfo.generate(input_ids=PROMPTS[1], stream=True, rid="renoise-abort", sampling_params=params)
+    next(stream)
+    fdfo.abort("renoise-abort")
+    last = list(stream)[-1]
+    assert last["finished"] and last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(last["output_ids"]) < 40
+    whole = fdfo.generate(input_ids=PROMPTS[1], sampling_params=dict(params, max_new_tokens=12))
+    text = whole["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop.strip()
+    cut = fdfo.generate(input_ids=PROMPTS[1], sampling_params=dict(params, max_new_tokens=12, stop=[stop]))
+    assert cut["meta_info"]["finish_reason"]["type"] == "stop" and stop not in cut["text"]
+    assert text.startswith(cut["text"]) and len(cut["text"]) <= text.index(stop)
+    fdfo.scheduler.check_pages()
