@@ -13,6 +13,7 @@ index and statistics); it lives here so that each half reads on its own.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import jax
@@ -23,10 +24,23 @@ from dllm_jax.engine.calls import DecodeOutput, DenoiseCall, PrefillCall
 from dllm_jax.engine.request import Request
 
 
+log = logging.getLogger("dllm_jax")
 PROVISIONAL = {"provisional": True}  # the event of a denoise step that left the block unfinished
 
 
 class CommitMixin:
+    def _emit(self, req: Request, event: dict | None = None) -> None:
+        """Hand the request's consumer an event (a committed chunk, the finish, a provisional step)."""
+        if req.on_event is None:
+            return
+        try:
+            req.on_event(req, event or {})
+        except Exception as e:  # the consumer's failure is its request's, never the loop's
+            if req.finished:
+                log.exception("request %s: its on_event callback failed after it finished", req.rid)
+            else:
+                self._fail(req, e)
+
     def _commit_prefill(self, call: PrefillCall) -> None:
         self.stats["prefill_forwards"] += 1
         for req, pages in zip(call.reqs, call.pages):

@@ -322,17 +322,6 @@ class RenoiseScheduler(CommitMixin):
         self.stats["finished"] += 1
         self._emit(req)
 
-    def _emit(self, req: Request, event: dict | None = None) -> None:
-        if req.on_event is None:
-            return
-        try:
-            req.on_event(req, event or {})
-        except Exception as e:
-            if req.finished:
-                log.exception("request %s: its on_event callback failed after it finished", req.rid)
-            else:
-                self._fail(req, e)
-
     def _fail(self, req: Request, error: Exception) -> None:
         log.error("request %s failed: %s: %s", req.rid, type(error).__name__, error)
         if req in self.waiting:

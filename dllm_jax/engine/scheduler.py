@@ -429,17 +429,6 @@ class Scheduler(CommitMixin):
         self.stats["finished"] += 1
         self._emit(req)
 
-    def _emit(self, req: Request, event: dict | None = None) -> None:
-        if req.on_event is None:
-            return
-        try:
-            req.on_event(req, event or {})
-        except Exception as e:  # the consumer's failure is its request's, never the loop's
-            if req.finished:
-                log.exception("request %s: its on_event callback failed after it finished", req.rid)
-            else:
-                self._fail(req, e)
-
     def _fail(self, req: Request, error: Exception, *, stray_pages: list[int] = ()) -> None:
         """Fail one request on an error of its own (see the module's doc): it finishes with ``abort`` and the
         error's message; its pages go back (its complete blocks are not cached: their KV may be what failed).
