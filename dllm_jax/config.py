@@ -442,6 +442,8 @@ def _diffusion_gemma_fields(hf: dict, source: str) -> dict:
     else:
         global_head_dim = int(text.get("global_head_dim") or 512)
         global_kv = int(text.get("num_global_key_value_heads") or kv_heads)
+        if text.get("attention_k_eq_v") is False:  # transformers then overrides the head dim only
+            global_kv = kv_heads
     rope = text.get("rope_parameters") or {}
     defaults = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
                 FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
