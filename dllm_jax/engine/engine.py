@@ -32,6 +32,7 @@ from dllm_jax.engine.info import EngineInfo
 from dllm_jax.engine.inputs import RequestInputs, sampling_defaults, with_fields
 from dllm_jax.engine.memory import plan_kv_pool
 from dllm_jax.engine.output import ChunkSink, FinishWatcher, Output
+from dllm_jax.engine.occupation import MemoryOccupation
 from dllm_jax.engine.pause import PauseGeneration
 from dllm_jax.engine.profiling import Profiling
 from dllm_jax.engine.renoise_engine import RenoiseServing, uses_renoise
@@ -51,7 +52,8 @@ def default_model_path() -> str:
     return DEFAULT_MODEL_PATH
 
 
-class Engine(RequestInputs, EngineInfo, Profiling, WeightUpdates, PauseGeneration, RenoiseServing):
+class Engine(RequestInputs, EngineInfo, Profiling, WeightUpdates, PauseGeneration, MemoryOccupation,
+             RenoiseServing):
     """A block-diffusion LM server in a Python object.
 
     Options: see :class:`~dllm_jax.engine.config.EngineConfig` (``dllm_jax.EngineConfig``,

@@ -47,6 +47,7 @@ class PauseGeneration:
     def continue_generation(self) -> dict:
         """Resume scheduling: retracted requests are re-admitted first, parked ones continue in place."""
         self._require_scheduler("continue_generation")
+        self._check_occupied("continue_generation")
         with self._lock:
             was, self.pause_mode = self.pause_mode, None
         self._wakeup.set()

@@ -76,6 +76,7 @@ class WeightUpdates:
         """The first ``truncate_size`` rows (None: all) of tensor ``name``, float32 numpy: a checkpoint name in the
         checkpoint's layout, a parameter path in ours (SGLang answers a list; ``.tolist()`` gives one)."""
         self._require_scheduler("get_weights_by_name")
+        self._check_occupied("get_weights_by_name")
         with self._lock:
             return wu.read_weight(self.config, self.runner.params, name, truncate_size)
 
@@ -95,6 +96,7 @@ class WeightUpdates:
     # ------------------------------------------------------------------------------------------
     def _check_updatable(self, what: str, weight_version) -> None:
         self._require_scheduler(what)
+        self._check_occupied(what)
         if self._shutdown:
             raise RuntimeError(f"{what}: the engine is shut down")
         if self.runner.channel is not None:

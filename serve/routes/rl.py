@@ -1,6 +1,7 @@
 """The RL endpoints (SGLang's names): ``POST /update_weights_from_disk``, ``POST /update_weights_from_tensor``,
 ``GET|POST /get_weights_by_name``, ``GET /get_weight_version``, ``POST /update_weight_version``,
-``POST /pause_generation``, ``POST /continue_generation``.
+``POST /pause_generation``, ``POST /continue_generation``, ``POST /release_memory_occupation``,
+``POST /resume_memory_occupation`` (``{"tags": ["weights", "kv_cache"]}``, both when absent).
 
 Each calls the engine's method of the same name in a worker thread (an update waits for the engine's round
 boundary, or with ``flush_cache`` for running requests to finish: never on the event loop). A refused update (an
@@ -17,7 +18,7 @@ from fastapi import APIRouter, Depends
 from starlette.concurrency import run_in_threadpool
 
 from serve.errors import ApiError
-from serve.schemas.rl import (GetWeightsByNameRequest, PauseGenerationRequest, UpdateWeightsFromDiskRequest,
+from serve.schemas.rl import (GetWeightsByNameRequest, MemoryOccupationRequest, PauseGenerationRequest, UpdateWeightsFromDiskRequest,
                               UpdateWeightsFromTensorRequest, UpdateWeightVersionRequest)
 from serve.state import Server, get_server
 
@@ -93,3 +94,13 @@ async def pause_generation(body: PauseGenerationRequest | None = None, server: S
 async def continue_generation(server: Server = Depends(get_server)):
     out = await _call("continue_generation", server.engine.continue_generation)
     return {"success": True, **out}
+
+
+@router.post("/release_memory_occupation")
+async def release_memory_occupation(body: MemoryOccupationRequest, server: Server = Depends(get_server)):
+    return await _call("tags", server.engine.release_memory_occupation, body.tags)
+
+
+@router.post("/resume_memory_occupation")
+async def resume_memory_occupation(body: MemoryOccupationRequest, server: Server = Depends(get_server)):
+    return await _call("tags", server.engine.resume_memory_occupation, body.tags)

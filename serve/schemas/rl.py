@@ -38,3 +38,7 @@ class UpdateWeightVersionRequest(Body):
 
 class PauseGenerationRequest(Body):
     mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class MemoryOccupationRequest(Body):
+    tags: list[str] | None = None  # "weights", "kv_cache" (None: both)
