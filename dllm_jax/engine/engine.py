@@ -36,6 +36,7 @@ from dllm_jax.engine.occupation import MemoryOccupation
 from dllm_jax.engine.pause import PauseGeneration
 from dllm_jax.engine.profiling import Profiling
 from dllm_jax.engine.renoise_engine import RenoiseServing, uses_renoise
+from dllm_jax.engine.scoring import Scoring
 from dllm_jax.engine.sampling import SamplingParams
 from dllm_jax.engine.scheduler import Scheduler
 from dllm_jax.engine.weights import WeightUpdates
@@ -52,7 +53,7 @@ def default_model_path() -> str:
     return DEFAULT_MODEL_PATH
 
 
-class Engine(RequestInputs, EngineInfo, Profiling, WeightUpdates, PauseGeneration, MemoryOccupation,
+class Engine(RequestInputs, EngineInfo, Profiling, WeightUpdates, PauseGeneration, MemoryOccupation, Scoring,
              RenoiseServing):
     """A block-diffusion LM server in a Python object.
 

@@ -1,7 +1,9 @@
 """The RL endpoints (SGLang's names): ``POST /update_weights_from_disk``, ``POST /update_weights_from_tensor``,
 ``GET|POST /get_weights_by_name``, ``GET /get_weight_version``, ``POST /update_weight_version``,
 ``POST /pause_generation``, ``POST /continue_generation``, ``POST /release_memory_occupation``,
-``POST /resume_memory_occupation`` (``{"tags": ["weights", "kv_cache"]}``, both when absent).
+``POST /resume_memory_occupation`` (``{"tags": ["weights", "kv_cache"]}``, both when absent), ``POST /score``
+(``{"text" | "input_ids", "completions": [...], "estimator": "chain" | "elbo", "num_samples", "seed"}``: per
+completion ``{"tokens", "token_logprobs", "logprob", "num_tokens"}``).
 
 Each calls the engine's method of the same name in a worker thread (an update waits for the engine's round
 boundary, or with ``flush_cache`` for running requests to finish: never on the event loop). A refused update (an
@@ -18,7 +20,7 @@ from fastapi import APIRouter, Depends
 from starlette.concurrency import run_in_threadpool
 
 from serve.errors import ApiError
-from serve.schemas.rl import (GetWeightsByNameRequest, MemoryOccupationRequest, PauseGenerationRequest, UpdateWeightsFromDiskRequest,
+from serve.schemas.rl import (GetWeightsByNameRequest, MemoryOccupationRequest, PauseGenerationRequest, ScoreRequest, UpdateWeightsFromDiskRequest,
                               UpdateWeightsFromTensorRequest, UpdateWeightVersionRequest)
 from serve.state import Server, get_server
 
@@ -104,3 +106,9 @@ async def release_memory_occupation(body: MemoryOccupationRequest, server: Serve
 @router.post("/resume_memory_occupation")
 async def resume_memory_occupation(body: MemoryOccupationRequest, server: Server = Depends(get_server)):
     return await _call("tags", server.engine.resume_memory_occupation, body.tags)
+
+
+@router.post("/score")
+async def score(body: ScoreRequest, server: Server = Depends(get_server)):
+    return await _call("completions", server.engine.score, body.text, body.completions, input_ids=body.input_ids,
+                       estimator=body.estimator, num_samples=body.num_samples, seed=body.seed)

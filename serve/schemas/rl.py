@@ -42,3 +42,12 @@ class PauseGenerationRequest(Body):
 
 class MemoryOccupationRequest(Body):
     tags: list[str] | None = None  # "weights", "kv_cache" (None: both)
+
+
+class ScoreRequest(Body):
+    text: str | None = None  # the prompt, raw (no chat template applied)
+    input_ids: list[int] | None = None
+    completions: list[str | list[int]]
+    estimator: str = "chain"
+    num_samples: int = 8
+    seed: int = 0

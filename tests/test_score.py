@@ -1,0 +1,92 @@
+"""Engine.score (dllm_jax/decode/likelihood.py): the chain estimator against a float64 run of the same rows; the
+correct answer of the shipped model's tasks scores highest against near-miss wrong ones under both estimators;
+HTTP /score; errors name the field."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+import pytest
+
+import dllm_jax
+from dllm_jax.assets import DEFAULT_MODEL_PATH
+from dllm_jax.decode import likelihood
+from dllm_jax.train import tasks
+
+from conftest import SHIPPED_KW
+
+pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(DEFAULT_MODEL_PATH, "model.safetensors")),
+                                reason="shipped model not exported yet")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = dllm_jax.Engine(None, **SHIPPED_KW)
+    yield e
+    e.shutdown()
+
+
+def _near_misses(answer: str, rng: np.random.Generator, count: int) -> list[str]:
+    """Wrong answers one number away from the right one (a step's value off by 1 or 2)."""
+    numbers = [m for m in re.finditer(r"\d+", answer)]
+    out = set()
+    while len(out) < count:
+        m = numbers[rng.integers(1, len(numbers))]
+        value = int(m.group()) + int(rng.choice([-2, -1, 1, 2]))
+        if value >= 0:
+            out.add(answer[:m.start()] + str(value) + answer[m.end():])
+    return sorted(out)
+
+
+def test_chain_equals_a_float64_run(engine):
+    ex = tasks.heldout_set(4)[0]
+    prompt = engine.tokenize(engine.apply_chat_template(ex.prompt))
+    completion = engine.tokenize(ex.answer)
+    got = engine.score(input_ids=prompt, completions=[completion])[0]["token_logprobs"]
+    from oracle import _transformers_logits  # transformers' Qwen3 in float64 under the block-causal mask
+
+    logits_fn, _ = _transformers_logits(DEFAULT_MODEL_PATH)
+    rows, targets, at = likelihood.chain_rows(engine.config, prompt, completion)  # (the rows score() runs)
+    want = []
+    for row, target, j in zip(rows, targets, at):
+        logits = np.asarray(logits_fn(row.tolist(), engine.config.block_size), np.float64)[j]
+        logits[engine.config.mask_token_id] = -np.inf
+        top = logits.max()
+        want.append(logits[target] - top - np.log(np.exp(logits - top).sum()))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert np.isclose(sum(got), sum(want), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("estimator", ["chain", "elbo"])
+def test_the_correct_answer_scores_highest(engine, estimator):
+    rng = np.random.default_rng(0)
+    examples = tasks.heldout_set(12)[:12]
+    wins = 0
+    for ex in examples:
+        answers = [ex.answer] + _near_misses(ex.answer, rng, 2)
+        scores = engine.score(engine.apply_chat_template(ex.prompt), answers, estimator=estimator, num_samples=8,
+                              seed=1)
+        wins += int(np.argmax([s["logprob"] for s in scores]) == 0)
+    assert wins >= 0.95 * len(examples), f"{wins}/{len(examples)}"
+
+
+def test_errors_and_http(engine):
+    with pytest.raises(ValueError, match="estimator"):
+        engine.score("hi", ["x"], estimator="mc")
+    with pytest.raises(ValueError, match="completions"):
+        engine.score("hi", [])
+    with pytest.raises(ValueError, match=r"completions\[0\]"):
+        engine.score("hi", [[10 ** 9]])
+    from fastapi.testclient import TestClient
+
+    from serve import ServerSettings, create_app
+
+    app = create_app(engine, ServerSettings(), own_engine=False)
+    with TestClient(app, base_url="http://localhost") as client:
+        r = client.post("/score", json={"text": "Count up 3 steps from 5.", "completions": ["Answer: 1 5", "no"]})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert len(body) == 2 and body[0]["num_tokens"] == len(body[0]["token_logprobs"])
+        assert client.post("/score", json={"text": "x", "completions": ["a"], "estimator": "?"}).status_code == 400
