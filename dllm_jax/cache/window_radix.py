@@ -40,6 +40,7 @@ class WindowPrefixIndex:
         self.enabled = enabled
         self.root = _Node((), None)
         self._clock = itertools.count(1)
+        self.total = 0  # nodes (get_load reads it every /metrics scrape: kept, not counted)
 
     # -- queries ---------------------------------------------------------------------------------
     def _walk(self, tokens: list[int]) -> list[_Node]:
@@ -87,6 +88,7 @@ class WindowPrefixIndex:
                 child = _Node(key, node, full=full[i])
                 self.full.incref([full[i]])
                 node.children[key] = child
+                self.total += 1
             if child.sliding is None and i < len(sliding) and sliding[i] and child.full == full[i]:
                 child.sliding = sliding[i]
                 self.sliding.incref([sliding[i]])
@@ -116,16 +118,19 @@ class WindowPrefixIndex:
     def evict_full(self, count: int) -> int:
         """Drop up to ``count`` leaf nodes (their full and sliding pages), least recently used first."""
         freed = 0
-        while freed < count:
-            leaves = [n for n in self._nodes() if not n.children]
+        while freed < count:  # a pass over today's leaves, oldest first (their parents become leaves for the next)
+            leaves = sorted((n for n in self._nodes() if not n.children), key=lambda n: n.last_use)
             if not leaves:
                 break
-            n = min(leaves, key=lambda n: n.last_use)
-            freed += self.full.refcount(n.full) == 1
-            self.full.free([n.full])
-            if n.sliding is not None:
-                self.sliding.free([n.sliding])
-            del n.parent.children[n.key]
+            for n in leaves:
+                freed += self.full.refcount(n.full) == 1
+                self.full.free([n.full])
+                if n.sliding is not None:
+                    self.sliding.free([n.sliding])
+                del n.parent.children[n.key]
+                self.total -= 1
+                if freed >= count:
+                    break
         return freed
 
     def reset(self) -> None:
@@ -134,15 +139,12 @@ class WindowPrefixIndex:
             if n.sliding is not None:
                 self.sliding.free([n.sliding])
         self.root = _Node((), None)
+        self.total = 0
 
     # -- accounting ------------------------------------------------------------------------------
     def held(self) -> tuple[list[int], list[int]]:
         """The pages the index holds a reference on: (full, sliding)."""
         nodes = list(self._nodes())
         return [n.full for n in nodes], [n.sliding for n in nodes if n.sliding is not None]
-
-    @property
-    def total(self) -> int:
-        return sum(1 for _ in self._nodes())
 
     protected = 0  # (the SDAR index's locked-page count; here a reused page is kept alive by its own reference)

@@ -6,8 +6,9 @@ device until every live row has finished its canvas (one host check per step), t
 EOS looked for, and the canvases encoded into the pool. A row that has finished its request rides along until
 the batch ends (its outputs are not changed).
 
-It is what :meth:`dllm_jax.Engine.generate` runs for this family, and what the replay test drives against
-transformers' ``generate`` (``on_step`` sees every step's draws).
+A static batch, no scheduler: the reference the replay test drives against transformers' ``generate``
+(``on_step`` sees every step's draws) and the engine's tests compare with; the engine runs the same device step
+(:func:`dllm_jax.decode.renoise.denoise_step`) through :mod:`dllm_jax.engine.renoise_scheduler`.
 """
 
 from __future__ import annotations

@@ -467,8 +467,10 @@ def init_kv_pages(cfg: ModelConfig, num_pages: int, block_size: int, dtype=jnp.f
     return pool
 
 
-def kv_bytes_per_page(cfg: ModelConfig, block_size: int, dtype) -> int:
-    """Bytes of one page (K and V of one block, every layer), from the family's KV layout."""
+def kv_bytes_per_page(cfg: ModelConfig, block_size: int, dtype, *, sliding: bool | None = None) -> int:
+    """Bytes of one page (what every layer keeps for ``block_size`` tokens: K and V, or K alone), from the family's
+    KV layout. ``sliding``: only the sliding-window layers' share (True) or the others' (False)."""
     return sum(layer_kv.tensors * layer_kv.kv_heads * block_size * layer_kv.head_dim
                * jnp.dtype(dtype if layer_kv.dtype is None else layer_kv.dtype).itemsize
-               for layer_kv in family_of(cfg).kv_layout(cfg))
+               for layer_kv in family_of(cfg).kv_layout(cfg)
+               if sliding is None or (layer_kv.window is not None) == sliding)

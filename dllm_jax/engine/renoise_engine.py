@@ -16,6 +16,7 @@ import logging
 import jax
 
 from dllm_jax.decode import renoise
+from dllm_jax.decode.step import kv_bytes_per_page
 from dllm_jax.engine.memory import KVBudget, available_memory, human, plan_kv_pool
 from dllm_jax.engine.output import Output
 from dllm_jax.engine.renoise_runner import RenoiseRunner
@@ -36,11 +37,6 @@ def uses_renoise(cfg) -> bool:
     return family_of(cfg).default_algorithm == renoise.NAME
 
 
-def _layer_page_bytes(cfg, sliding: bool, dtype) -> int:
-    return sum(layer.tensors * layer.kv_heads * layer.head_dim * PAGE_SIZE * jax.numpy.dtype(dtype).itemsize
-               for layer in family_of(cfg).kv_layout(cfg) if (layer.window is not None) == sliding)
-
-
 class RenoiseServing:
     def _build_renoise(self, loaded, o) -> None:
         cfg = self.config
@@ -59,8 +55,8 @@ class RenoiseServing:
         per_row = (-(-(window - 1 + chunk) // S) + 2) if window else 1
         cached_windows = -(-(window - 1) // S) + 1 if window else 0  # room for as many cached prefixes' windows
         sliding_pages = o.max_running_requests * (per_row + cached_windows) + 1
-        sliding_bytes = sliding_pages * _layer_page_bytes(cfg, True, o.dtype)
-        full_page = _layer_page_bytes(cfg, False, o.dtype)
+        sliding_bytes = sliding_pages * kv_bytes_per_page(cfg, S, o.dtype, sliding=True)
+        full_page = kv_bytes_per_page(cfg, S, o.dtype, sliding=False)
         device = jax.devices()[0]
         free = None
         if o.num_kv_pages is None:

@@ -208,12 +208,14 @@ class RenoiseScheduler(CommitMixin):
         if kv_len >= self.S:
             self.index.insert(req.real_ids[:kv_len], req.pages, self._sliding_pages.get(req, []))
 
-    def _tables(self, reqs: list[Request], rows: int) -> dict:
+    def _tables(self, reqs: list[Request], *, by_slot: bool) -> dict:
+        """Page tables: row = slot (a denoise call: every slot) or the request's index in ``reqs`` (an encode call)."""
+        rows = self.max_running if by_slot else len(reqs)
         width = next_pow2(max([len(r.pages) for r in reqs] + [1]))
         full = np.zeros((rows, width), np.int32)
         sliding = np.zeros((rows, width), np.int32)
-        for r in reqs:
-            row = self._slot[r] if rows == self.max_running else reqs.index(r)
+        for i, r in enumerate(reqs):
+            row = self._slot[r] if by_slot else i
             full[row, :len(r.pages)] = r.pages
             sliding[row, :len(self._sliding_pages[r])] = self._sliding_pages[r]
         return {FULL_KIND: full, SLIDING_KIND: sliding}
@@ -233,7 +235,7 @@ class RenoiseScheduler(CommitMixin):
         if not ready:
             return None
         tokens = [r.real_ids[self._kv_len[r]:self._kv_len[r] + self.chunk] for r in ready]
-        return EncodeCall(ready, tokens, [self._kv_len[r] for r in ready], self._tables(ready, len(ready)))
+        return EncodeCall(ready, tokens, [self._kv_len[r] for r in ready], self._tables(ready, by_slot=False))
 
     def _commit_encode(self, call: EncodeCall) -> None:
         self.stats["prefill_forwards"] += 1
@@ -264,7 +266,7 @@ class RenoiseScheduler(CommitMixin):
         steps = self.max_steps_per_call
         if any(r.provisional for r in reqs):
             steps = 1  # the host sees every step (provisional frames)
-        return DenoiseCall(list(reqs), starting, seeds, canvas_index, prefix, self._tables(reqs, R), live, steps,
+        return DenoiseCall(list(reqs), starting, seeds, canvas_index, prefix, self._tables(reqs, by_slot=True), live, steps,
                            self.first_finish)
 
     def _commit_denoise(self, call: DenoiseCall, out: DenoiseResult) -> None:
@@ -332,6 +334,7 @@ class RenoiseScheduler(CommitMixin):
     def check_pages(self) -> None:
         """Every page of both pools is free or held: a reference per running request using it, one per index node."""
         index_full, index_sliding = self.index.held()
+        assert self.index.total == len(index_full), f"prefix index counts {self.index.total} nodes, holds {len(index_full)}"
         for allocator, held in ((self.full, [p for r in self.running for p in r.own_pages] + index_full),
                                 (self.sliding, [p for r in self.running for p in self._sliding_pages.get(r, [])
                                                 if p != TRASH_PAGE] + index_sliding)):
