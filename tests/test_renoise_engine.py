@@ -100,6 +100,17 @@ def test_stream_logprobs_and_refusals(model_dir, reference, fdfo):
             with pytest.raises(ValueError, match=next(iter(bad))):
                 engine.generate(input_ids=PROMPTS[0], sampling_params=dict(bad, max_new_tokens=4))
         engine.scheduler.check_pages()
+        # the RL calls are the SDAR / LLaDA2 engine's: refused by name, nothing changed
+        for name, call in (("update_weights_from_tensor", lambda: engine.update_weights_from_tensor({})),
+                           ("update_weights_from_disk", lambda: engine.update_weights_from_disk(str(model_dir))),
+                           ("pause_generation", lambda: engine.pause_generation("retract")),
+                           ("release_memory_occupation", lambda: engine.release_memory_occupation()),
+                           ("score", lambda: engine.score(input_ids=PROMPTS[0], completions=[[5, 6]]))):
+            with pytest.raises(NotImplementedError, match=name):
+                call()
+        assert engine.generate(input_ids=PROMPTS[0], sampling_params={"max_new_tokens": 10, "seed": 40,
+                                                                       "ignore_eos": True})["output_ids"] \
+            == reference[0].output_ids
     finally:
         pass
     with pytest.raises(ValueError, match="algorithm.*Gemma4Renoise"):
