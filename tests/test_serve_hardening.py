@@ -179,7 +179,8 @@ REFUSED = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}]},
      "messages[0].content[1].type"),
-    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1, "stream": True}, "stream"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5000": 1}}, "logit_bias.5000"),
     ("/v1/chat/completions", {"messages": CHAT, "stop_token_ids": [1, 10 ** 6]}, "stop_token_ids"),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 0}, "max_tokens"),

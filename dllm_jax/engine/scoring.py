@@ -1,12 +1,16 @@
 """``Engine.score``: log-likelihoods of completions given a prompt (:mod:`dllm_jax.decode.likelihood`), for RL
 policy ratios and multiple-choice evaluation. A mixin of :class:`dllm_jax.engine.engine.Engine`; it runs on the
-engine's current weights under its lock (never between a weight update's leaves), outside the scheduler."""
+engine's current weights under its lock (never between a weight update's leaves), outside the scheduler.
+
+``Engine.prompt_logprobs``: every prompt token's chain log-probability given the tokens before it (the prompt scored
+as ``ids[:1]`` + completion ``ids[1:]``), with the top-k alternatives: OpenAI's ``echo`` + ``logprobs``, which
+lm-eval's loglikelihood and multiple-choice tasks read."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from dllm_jax.decode.likelihood import ESTIMATORS, score
+from dllm_jax.decode.likelihood import ESTIMATORS, chain_scores, score
 
 
 class Scoring:
@@ -38,3 +42,36 @@ class Scoring:
             out.append({"tokens": tokens, "token_logprobs": lps.tolist(), "logprob": float(np.sum(lps)),
                         "num_tokens": len(tokens)})
         return out
+
+    def prompt_logprobs(self, input_ids: list[int], top_k: int = 0, *, field: str = "input_ids") -> dict:
+        """Per prompt token, the chain estimator's log-probability given the tokens before it (the first token's is
+        ``None``: nothing conditions it). Returns ``{"input_token_logprobs": [[logprob | None, token_id], ...]}``
+        and with ``top_k`` > 0 ``"input_top_logprobs"``: per token ``None`` for the first, else the ``top_k`` most
+        likely ``[logprob, token_id]`` (mask id excluded), most likely first. ``field`` names the input in errors.
+        A model without a mask token (DiffusionGemma) has no such estimator here: ValueError."""
+        self.check_prompt_logprobs(field)
+        self._check_occupied("prompt_logprobs")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k < self.config.vocab_size:
+            raise ValueError(f"top_k: must be an integer in [0, {self.config.vocab_size - 1}], got {top_k!r}")
+        ids = list(input_ids)
+        if not ids:
+            raise ValueError(f"{field}: the prompt is empty")
+        self.make_request(ids, {"max_new_tokens": 1}, field=field)  # the id and length checks
+        with self._lock:
+            lps, top_lps, top_ids = chain_scores(self.runner.params, self.config, ids[:1], ids[1:], top_k=top_k)
+        out = {"input_token_logprobs": [[None, ids[0]]] + [[float(lp), t] for lp, t in zip(lps, ids[1:])]}
+        if top_k:
+            out["input_top_logprobs"] = [None] + [[[float(lp), int(t)] for lp, t in zip(row_lp, row_id)]
+                                                  for row_lp, row_id in zip(top_lps, top_ids)]
+        return out
+
+    def check_prompt_logprobs(self, field: str = "input_ids") -> None:
+        """A ValueError naming ``field`` unless this engine can score prompts: the chain estimator unmasks with the
+        mask token, which a uniform-noise family (DiffusionGemma) does not have."""
+        from dllm_jax.model.family import family_of
+
+        family = family_of(self.config)
+        if getattr(self, "runner", None) is None or not family.uses_mask_token:
+            raise ValueError(f"{field}: prompt log-probabilities (the chain estimator) need a mask-token "
+                             f"block-diffusion model; {family.name} models have no mask token, so they are not "
+                             f"available for this model")

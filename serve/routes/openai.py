@@ -8,6 +8,12 @@ A request's ``model`` must be one of the served names (``--served-model-name NAM
 404 ``model_not_found``, as OpenAI answers, rather than a silent answer by a model the client did not ask for.
 Every check that does not need the prompt's tokens (model, sizes, fields) comes before tokenizing, which runs in
 a worker thread (:meth:`serve.state.Server.tokenize_all`).
+
+``echo`` with ``logprobs = k``: each choice's ``logprobs`` starts with its prompt's tokens (the chain estimator,
+:meth:`dllm_jax.Engine.prompt_logprobs`, scored in a worker thread before the answers are generated; the first
+token's entries null), then the generated tokens'; ``max_tokens: 0`` with ``echo`` generates nothing (``finish_reason``
+``length``, no completion tokens). This is what lm-eval's ``local-completions`` loglikelihood requests send
+(``echo``, ``logprobs: 1``, ``max_tokens: 1``, token-id prompts). Streamed, both are a 400 naming ``stream``.
 """
 
 from __future__ import annotations
@@ -62,6 +68,9 @@ async def completions(body: CompletionRequest, request: Request, server: Server 
                   for e, ids in zip(echoes, ids_list)]
     else:
         echoes = [""] * len(ids_list)
+    scored = await _prompt_logprobs(server, body, ids_list, fields) if body.prompt_logprobs else None
+    if body.max_tokens == 0:  # echo only (the schema refuses 0 without echo): nothing generated
+        return _scored_only(server, ids_list, fields, echoes, scored, n)
     ids_list, params_list, fields = expand_choices(ids_list, [params] * len(ids_list), fields, n)
     echoes = [e for e in echoes for _ in range(n)]
     batch = server.start_batch(ids_list, params_list, fields, stream=body.stream, renames=OPENAI_FIELD_NAMES,
@@ -73,12 +82,57 @@ async def completions(body: CompletionRequest, request: Request, server: Server 
     if results is None:
         return Response(status_code=499)
     tok = server.engine.tokenizer
-    choices = [{"index": i, "text": echoes[i] + res["text"],
-                "logprobs": logprobs.completion(res["meta_info"], tok, text_offset=len(echoes[i])),
-                "finish_reason": finish(res["meta_info"]), "matched_stop": matched(res["meta_info"])}
-               for i, res in enumerate(results)]
+    choices = []
+    for i, res in enumerate(results):
+        lp = logprobs.completion(res["meta_info"], tok, text_offset=len(echoes[i]))
+        if scored is not None:
+            lp = logprobs.join(logprobs.prompt_completion(scored[i // n], tok), lp)
+        choices.append({"index": i, "text": echoes[i] + res["text"], "logprobs": lp,
+                        "finish_reason": finish(res["meta_info"]), "matched_stop": matched(res["meta_info"])})
     return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": server.model_name,
             "choices": choices, "usage": usage([r["meta_info"] for r in results], n)}
+
+
+async def _prompt_logprobs(server: Server, body: CompletionRequest, ids_list: list[list[int]],
+                           fields: list[str]) -> list[dict]:
+    """Each prompt's token log-probabilities (:meth:`dllm_jax.Engine.prompt_logprobs`, ``logprobs`` alternatives),
+    scored in a worker thread: a forward per prompt token, which must not hold up the event loop."""
+    if not server.ready:
+        raise server.unavailable()
+    eng = server.engine
+    try:
+        eng.check_prompt_logprobs("echo")
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+    for ids, field in zip(ids_list, fields):
+        server.check_ids(ids, field)
+
+    def run():
+        return [eng.prompt_logprobs(ids, body.logprobs, field=field) for ids, field in zip(ids_list, fields)]
+
+    try:
+        return await run_in_threadpool(run)
+    except ValueError as e:
+        raise bad_request(str(e), OPENAI_FIELD_NAMES) from None
+
+
+def _scored_only(server: Server, ids_list: list[list[int]], fields: list[str], echoes: list[str],
+                 scored: list[dict] | None, n: int) -> dict:
+    """``max_tokens: 0`` with ``echo``: each choice is its prompt, with its log-probabilities when asked for."""
+    if not server.ready:
+        raise server.unavailable()
+    for ids, field in zip(ids_list, fields):
+        server.check_ids(ids, field)
+    tok = server.engine.tokenizer
+    choices, metas = [], []
+    for k, (ids, echo) in enumerate(zip(ids_list, echoes)):
+        lp = logprobs.prompt_completion(scored[k], tok) if scored is not None else None
+        for j in range(n):
+            choices.append({"index": k * n + j, "text": echo, "logprobs": lp, "finish_reason": "length",
+                            "matched_stop": None})
+            metas.append({"prompt_tokens": len(ids), "completion_tokens": 0, "cached_tokens": 0})
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": server.model_name, "choices": choices, "usage": usage(metas, n)}
 
 
 @router.post("/v1/chat/completions")

@@ -5,7 +5,8 @@ Body: ``text`` or ``input_ids`` (one prompt or a list), ``sampling_params`` (one
 ``stream``, ``stream_provisional``, ``rid`` (one per answer). Answer ``{"text", "output_ids", "meta_info"}``, a
 list for a batch or n > 1. Streaming: SSE ``data: {...}`` per committed block (cumulative ``text`` /
 ``output_ids`` as SGLang, or only the new part with ``--incremental-streaming-output``; ``index`` in batches),
-then ``data: [DONE]``. With ``stream_provisional`` the frames between carry ``meta_info.provisional: true`` and
+then ``data: [DONE]``. ``return_logprob`` with ``logprob_start_len >= 0`` adds the prompt's ``input_token_logprobs``
+(and ``input_top_logprobs``) from that position on, under the chain estimator (not streamed). With ``stream_provisional`` the frames between carry ``meta_info.provisional: true`` and
 ``meta_info.block`` (the block being denoised) and unchanged committed ``text`` / ``output_ids``; committed frames
 then carry ``meta_info.provisional: false``.
 """
@@ -14,9 +15,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
 
 from serve import features, logprobs
-from serve.errors import ApiError
+from serve.errors import ApiError, bad_request
 from serve.schemas import GenerateRequest
 from serve.state import Batch, Server, expand_choices, finished_results, get_server
 from serve.streaming import SSE_DONE, SSEResponse, sse
@@ -61,6 +63,9 @@ async def generate(body: GenerateRequest, request: Request, server: Server = Dep
     else:
         ids_list = body.input_ids if body.is_batch else [body.input_ids]
         fields = [f"input_ids[{i}]" for i in range(len(ids_list))] if body.is_batch else ["input_ids"]
+    start = body.prompt_logprobs_from
+    scored = await _prompt_logprobs(server, ids_list, fields, start, body.top_logprobs_num or 0) \
+        if start is not None else None
     ids_list, params_list, fields = expand_choices(ids_list, params_list, fields, n)
     batch = server.start_batch(ids_list, params_list, fields, stream=body.stream, rids=rids,
                                provisional=body.stream_provisional,
@@ -72,10 +77,47 @@ async def generate(body: GenerateRequest, request: Request, server: Server = Dep
     results = await finished_results(batch, request)
     if results is None:
         return Response(status_code=499)
+    if scored is not None:
+        results = [{**r, "meta_info": {**r["meta_info"], **scored[i // n]}} for i, r in enumerate(results)]
     if text_in_logprobs:
         tok = server.engine.tokenizer
         results = [{**r, "meta_info": logprobs.with_text(r["meta_info"], tok)} for r in results]
     return results if batch_mode else results[0]
+
+
+async def _prompt_logprobs(server: Server, ids_list: list[list[int]], fields: list[str], start: int,
+                           top_k: int) -> list[dict]:
+    """SGLang's ``input_token_logprobs`` (and ``input_top_logprobs``) from prompt position ``start`` on: the chain
+    estimator (:meth:`dllm_jax.Engine.prompt_logprobs`; the prompt's first token has none), as
+    ``[logprob, token_id, None]`` triples, scored in a worker thread."""
+    if not server.ready:
+        raise server.unavailable()
+    eng = server.engine
+    try:
+        eng.check_prompt_logprobs("logprob_start_len")
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+    for ids, field in zip(ids_list, fields):
+        server.check_ids(ids, field)
+        if start >= len(ids):
+            raise ApiError(400, f"logprob_start_len: {start} is not a position of {field} ({len(ids)} tokens)",
+                           "logprob_start_len")
+
+    def run():
+        return [eng.prompt_logprobs(ids, top_k, field=field) for ids, field in zip(ids_list, fields)]
+
+    try:
+        scored = await run_in_threadpool(run)
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+    out = []
+    for s in scored:
+        meta = {"input_token_logprobs": [[lp, tid, None] for lp, tid in s["input_token_logprobs"][start:]]}
+        if top_k:
+            meta["input_top_logprobs"] = [None if top is None else [[lp, tid, None] for lp, tid in top]
+                                          for top in s["input_top_logprobs"][start:]]
+        out.append(meta)
+    return out
 
 
 async def _stream(server: Server, batch: Batch, batch_mode: bool, provisional: bool, text_in_logprobs: bool):

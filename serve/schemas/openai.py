@@ -9,8 +9,12 @@ server's ``stream_provisional``.
 Fields that clients send routinely and that cannot change an answer (``metadata``, ``user``, ``store``,
 ``service_tier``, ``parallel_tool_calls``) are accepted and ignored (:data:`IGNORED_FIELDS`); those that would
 change its meaning and are not implemented (``tools``, ``tool_choice``, ``functions``, ``function_call``, a
-``response_format`` other than text, non-text content parts, ``echo`` with ``logprobs``) are a 400 naming the
-field, never silently dropped.
+``response_format`` other than text, non-text content parts, a streamed ``echo`` with ``logprobs``) are a 400
+naming the field, never silently dropped.
+
+``echo`` with ``logprobs`` on ``/v1/completions`` returns the prompt tokens' log-probabilities first (the first
+token's null), then the generated tokens' (lm-eval's loglikelihood and multiple-choice tasks read them), and
+``max_tokens: 0`` with ``echo`` scores the prompt without generating (OpenAI's legacy scoring call).
 """
 
 from __future__ import annotations
@@ -115,7 +119,7 @@ class CompletionRequest(OpenAICommon):
     prompt_text = (("prompt",), ("prompt", int))
 
     prompt: Any
-    max_tokens: int | None = Field(16, ge=1, le=MAX_NEW_TOKENS_LIMIT)
+    max_tokens: int | None = Field(16, ge=0, le=MAX_NEW_TOKENS_LIMIT)  # 0: only with echo (score the prompt)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = None
@@ -141,11 +145,18 @@ class CompletionRequest(OpenAICommon):
 
     @model_validator(mode="after")
     def _echo_logprobs(self):
-        # lm-eval's multiple-choice scoring asks for this; answering with the output's log probabilities alone
-        # would score every choice 0 without a word
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo: echo with logprobs needs prompt log-probabilities, not supported yet")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 generates nothing; it is only accepted with echo: true (scoring the "
+                             "prompt, with logprobs for its log-probabilities)")
+        if self.stream and self.echo and (self.logprobs is not None or self.max_tokens == 0):
+            raise ValueError("stream: echo with logprobs or with max_tokens 0 (prompt scoring) is not streamed; send "
+                             "it with stream: false")
         return self
+
+    @property
+    def prompt_logprobs(self) -> bool:
+        """Whether each choice's ``logprobs`` starts with the prompt tokens' (``echo`` with ``logprobs``)."""
+        return self.echo and self.logprobs is not None
 
     def logprob_request(self):
         # OpenAI's completions: logprobs = k returns the chosen token's and the k most likely tokens' logprobs

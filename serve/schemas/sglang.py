@@ -122,8 +122,8 @@ class GenerateRequest(Body):
     @field_validator("logprob_start_len")
     @classmethod
     def _start(cls, v):
-        if v is not None and v != -1:
-            raise ValueError("logprob_start_len: prompt log probabilities are not supported (only -1 or null)")
+        if v is not None and (isinstance(v, bool) or v < -1):
+            raise ValueError("logprob_start_len: must be -1 (no prompt log-probabilities) or a prompt position >= 0")
         return v
 
     @model_validator(mode="after")
@@ -132,7 +132,17 @@ class GenerateRequest(Body):
             raise ValueError("text: give exactly one of text and input_ids")
         if self.stream_provisional and not self.stream:
             raise ValueError("stream_provisional: needs stream: true")
+        if self.prompt_logprobs_from is not None and self.stream:
+            raise ValueError("logprob_start_len: prompt log-probabilities are not streamed; drop stream or set -1")
         return self
+
+    @property
+    def prompt_logprobs_from(self) -> int | None:
+        """The first prompt position whose log-probability is returned (``return_logprob`` with
+        ``logprob_start_len >= 0``, SGLang's rule), else None."""
+        if self.return_logprob and self.logprob_start_len is not None and self.logprob_start_len >= 0:
+            return self.logprob_start_len
+        return None
 
     @property
     def is_batch(self) -> bool:

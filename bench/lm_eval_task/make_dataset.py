@@ -1,0 +1,71 @@
+"""Write ``dllm_mc.jsonl``: a multiple-choice task over the shipped model's held-out prompts, for lm-eval.
+
+Each doc is one held-out example of :mod:`dllm_jax.train.tasks` (never trained on): ``prompt`` is its user message
+rendered with the shipped model's chat template (the one it was trained on, generation prompt included), ``choices``
+are the correct answer and three near misses (one item changed: a number moved by 1 or 2, or a word swapped for
+another of the task's words), shuffled; ``label`` is the correct one's index. Deterministic (seeded).
+
+    python bench/lm_eval_task/make_dataset.py [--num-docs 50] [--out bench/lm_eval_task/dllm_mc.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+
+import numpy as np
+
+from dllm_jax.assets import DEFAULT_MODEL_PATH
+from dllm_jax.train import tasks
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ITEM = re.compile(r"\b(\d+|[a-z]+)\b")
+
+
+def near_misses(answer: str, rng: np.random.Generator, count: int = 3) -> list[str]:
+    """``count`` distinct wrong answers, each ``answer`` with one item (after "Answer:") changed."""
+    start = len(tasks.ANSWER_PREFIX)
+    items = [m for m in ITEM.finditer(answer, start) if m.group().isdigit() or m.group() in tasks.WORDS]
+    out: list[str] = []
+    while len(out) < count:
+        m = items[int(rng.integers(len(items)))]
+        old = m.group()
+        if old.isdigit():
+            new = str(int(old) + int(rng.choice([-2, -1, 1, 2])))
+            if not 0 <= int(new) <= tasks.MAX_NUMBER:
+                continue
+        else:
+            new = str(rng.choice([w for w in tasks.WORDS if w != old]))
+        wrong = answer[:m.start()] + new + answer[m.end():]
+        if wrong != answer and wrong not in out:
+            out.append(wrong)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--num-docs", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=os.path.join(HERE, "dllm_mc.jsonl"))
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_PATH)
+    rng = np.random.default_rng(args.seed)
+    with open(args.out, "w") as f:
+        for i, ex in enumerate(tasks.heldout_set(args.num_docs)):
+            prompt = tok.apply_chat_template([{"role": "user", "content": ex.prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+            choices = [ex.answer] + near_misses(ex.answer, rng)
+            order = rng.permutation(len(choices))
+            doc = {"id": i, "task": ex.task, "prompt": prompt, "choices": [choices[j] for j in order],
+                   "label": int(np.flatnonzero(order == 0)[0])}
+            f.write(json.dumps(doc) + "\n")
+    print(f"wrote {args.num_docs} docs to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
