@@ -215,8 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(g)
     g.set_defaults(fn=cmd_generate)
 
-    c = sub.add_parser("convert", help="convert a HF safetensors directory to the engine's own layout (matrices "
-                                       "pre-transposed, in --dtype), which loads at the speed of reading it")
+    c = sub.add_parser("convert", help="convert a HF safetensors directory to the engine's own layout (one tensor "
+                                       "per leaf, fused tensors split, in --dtype), which loads at the speed of "
+                                       "reading it")
     c.add_argument("hf_dir")
     c.add_argument("out_dir")
     c.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")

@@ -15,11 +15,21 @@ as ``jnp.argmax`` does.
 fused with an online (max, sum-exp, argmax) triple so the logits never reach memory.
 :func:`merge_confidence_triples` combines triples of vocab slices (kernel splits, or tensor-parallel
 shards); ``get_confidence_fn`` picks the implementation by backend name.
+
+``auto`` on a GPU picks per shape: :func:`choose_confidence_backend` looks the shape (positions, hidden, vocab) up
+in a table measured on each device kind (``confidence_crossover.json`` beside this file, rewritten by
+``python -m bench.kernels --write-crossover`` on a GPU), because neither implementation wins everywhere: the
+fused kernel is ahead where the step is memory-bound (few positions: it never writes the ``[N, V]`` logits) and
+XLA's GEMM where it is compute-bound (thousands of positions). A device or shape the table does not cover keeps
+the default, the kernel.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -253,8 +263,127 @@ def confidence_stats(hidden, lm_head, *, exclude_token_id=None, interpret=False,
 
 def get_confidence_fn(backend: str = "auto", **tiles):
     """A callable with the reference's signature ``(hidden, lm_head, *, exclude_token_id=None)`` for
-    ``backend`` in ``pallas | pallas_interpret | xla | auto`` (auto: Pallas on GPU, XLA elsewhere)."""
+    ``backend`` in ``pallas | pallas_interpret | xla | auto``. ``auto``: on a GPU the implementation the crossover
+    table picks for each call's shape (:func:`confidence_stats_auto`), elsewhere XLA. ``tiles`` (and
+    ``vocab_major``) go to the kernel."""
+    if resolve_confidence_backend(backend) == "auto":
+        return functools.partial(confidence_stats_auto, **tiles)
     backend = resolve_backend(backend)
     if backend == "xla":
+        if tiles.get("vocab_major"):
+            return _reference_vocab_major
         return confidence_stats_reference
     return functools.partial(confidence_stats, interpret=(backend == "pallas_interpret"), **tiles)
+
+
+def _reference_vocab_major(hidden, embed, *, exclude_token_id=None):
+    """The reference on a ``[V, H]`` head contracted as stored (no transposed copy)."""
+    logits = lax.dot_general(hidden, embed, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return confidence_stats_from_logits(logits, exclude_token_id=exclude_token_id)
+
+
+# ----------------------------------------------------------------------------------------------
+# ``auto``: Pallas or XLA per shape, from a table measured per device kind
+# ----------------------------------------------------------------------------------------------
+#
+# The table (JSON): {"devices": {device_kind: [entry, ...]}, "sources": {device_kind: "where it was measured"}},
+# an entry {"positions": N, "hidden": H, "vocab": V, "vocab_major": bool, "pallas_us": t, "xla_us": t,
+# "winner": "pallas" | "xla"}. A lookup takes the device's entries of the same (hidden, vocab), of the same head
+# layout if the table has that layout (else the other: one layout measured stands in for the other), and the
+# winner of the entry nearest in log2(positions) (a tie goes to the larger N). No entry for the device kind or the
+# (hidden, vocab): the default (the kernel, what ``auto`` always picked before the table).
+
+CROSSOVER_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "confidence_crossover.json")
+CROSSOVER_DEFAULT = "pallas"
+
+
+@functools.lru_cache(maxsize=8)
+def _read_table(path: str, mtime: float) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def crossover_table(path: str | None = None) -> dict:
+    """The crossover table at ``path`` (default: ``$DLLM_JAX_CONFIDENCE_CROSSOVER`` or the file beside this
+    module); an empty table if it is missing or unreadable (``auto`` then keeps its default)."""
+    path = path or os.environ.get("DLLM_JAX_CONFIDENCE_CROSSOVER") or CROSSOVER_PATH
+    try:
+        return _read_table(path, os.path.getmtime(path))
+    except (OSError, ValueError):
+        return {"devices": {}}
+
+
+def choose_confidence_backend(positions: int, hidden_dim: int, vocab: int, *, vocab_major: bool = False,
+                              device_kind: str | None = None, table: dict | None = None,
+                              default: str = CROSSOVER_DEFAULT) -> str:
+    """``"pallas"`` or ``"xla"``: the measured winner for ``positions`` x ``hidden_dim`` against a ``vocab``-wide
+    head on ``device_kind`` (default: JAX's first device), by the rule above; ``default`` where the table has
+    nothing for that device or (hidden, vocab)."""
+    if device_kind is None:
+        device_kind = jax.devices()[0].device_kind
+    table = crossover_table() if table is None else table
+    entries = [e for e in (table.get("devices") or {}).get(device_kind, ())
+               if int(e["hidden"]) == int(hidden_dim) and int(e["vocab"]) == int(vocab)
+               and e.get("winner") in ("pallas", "xla")]
+    same_layout = [e for e in entries if bool(e.get("vocab_major", False)) == bool(vocab_major)]
+    entries = same_layout or entries
+    if not entries:
+        return default
+    want = math.log2(max(1, int(positions)))
+    best = min(entries, key=lambda e: (abs(math.log2(max(1, int(e["positions"]))) - want), -int(e["positions"])))
+    return best["winner"]
+
+
+def confidence_stats_auto(hidden, lm_head, *, exclude_token_id=None, vocab_major=False, interpret=False, **tiles):
+    """:func:`confidence_stats_reference`'s results from the implementation the crossover table picks for this
+    shape (decided when the caller is traced: the shape is static)."""
+    num_positions, hidden_dim = hidden.shape
+    vocab = lm_head.shape[0] if vocab_major else lm_head.shape[1]
+    if choose_confidence_backend(num_positions, hidden_dim, vocab, vocab_major=vocab_major) == "xla":
+        if vocab_major:
+            return _reference_vocab_major(hidden, lm_head, exclude_token_id=exclude_token_id)
+        return confidence_stats_reference(hidden, lm_head, exclude_token_id=exclude_token_id)
+    return confidence_stats(hidden, lm_head, exclude_token_id=exclude_token_id, interpret=interpret,
+                            vocab_major=vocab_major, **tiles)
+
+
+def resolve_confidence_backend(name: str, field: str = "confidence_backend") -> str:
+    """:func:`resolve_backend` for the confidence selection, except that ``auto`` on a GPU stays ``"auto"``: the
+    choice is made per shape when the step is traced (:func:`choose_confidence_backend`)."""
+    resolved = resolve_backend(name, field)
+    return "auto" if name == "auto" and resolved == "pallas" else resolved
+
+
+def write_crossover(device_kind: str, entries: list[dict], *, path: str | None = None, source: str = "") -> str:
+    """Merge measured ``entries`` for ``device_kind`` into the table at ``path`` (default: the file beside this
+    module): an entry replaces the one of the same (positions, hidden, vocab, vocab_major); other devices and
+    shapes are kept. Returns the path."""
+    path = path or CROSSOVER_PATH
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except (OSError, ValueError):
+        table = {}
+    table.setdefault("devices", {})
+    table.setdefault("sources", {})
+
+    def key(e):
+        return int(e["positions"]), int(e["hidden"]), int(e["vocab"]), bool(e.get("vocab_major", False))
+
+    merged = {key(e): e for e in table["devices"].get(device_kind, [])}
+    for e in entries:
+        merged[key(e)] = dict(e, vocab_major=bool(e.get("vocab_major", False)))
+    table["devices"][device_kind] = [merged[k] for k in sorted(merged)]
+    if source:
+        table["sources"][device_kind] = source
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:  # one entry a line
+        rest = {k: v for k, v in table.items() if k != "devices"}
+        f.write((json.dumps(rest, indent=1)[:-2] + ",\n" if rest else "{\n") + ' "devices": {\n')
+        kinds = list(table["devices"])
+        for i, kind in enumerate(kinds):
+            rows = ",\n".join("   " + json.dumps(e) for e in table["devices"][kind])
+            f.write(f"  {json.dumps(kind)}: [\n{rows}\n  ]{',' if i < len(kinds) - 1 else ''}\n")
+        f.write(" }\n}\n")
+    os.replace(tmp, path)
+    return path

@@ -179,3 +179,97 @@ def test_host_replay_plays_the_recorded_run_back(tiny_model, make_engine):
             run_requests(engine, [[11, 12, 13]] + prompts[1:], params, 2)
     engine._fail_all(failed.value)  # what the engine's loop does with a failed round: no page may be left held
     engine.scheduler.check_pages()
+
+
+def test_transformers_batch_loop_equals_one_at_a_time(tiny_model):
+    """``HFBlockDiffusion.generate_batch`` (the torch side of bench/side_by_side.py at batch 16) decides as the
+    one-prompt loop: same tokens per prompt; one forward per step for the batch (the slowest row's steps)."""
+    from bench.hf_baseline import HFBlockDiffusion
+
+    hf = HFBlockDiffusion(tiny_model, threshold=0.9, num_threads=1)
+    prompts = [[5, 6, 7, 8, 9, 10], [3, 4, 11, 12, 2, 2], [7] * 6]  # 6 tokens: the first block holds 2 of them
+    single = []
+    forwards = []
+    for p in prompts:
+        r = hf.generate(p, 9, ignore_eos=True)
+        single.append(r["output_ids"])
+        forwards.append(r["forward_passes"])
+    batch = hf.generate_batch(prompts, 9, ignore_eos=True)
+    assert batch["outputs"] == single
+    assert max(forwards) <= batch["forward_passes"] <= sum(forwards)
+    with pytest.raises(ValueError):
+        hf.generate_batch([[1, 2], [3]], 4)
+
+
+def test_overlap_probe_splits_host_time():
+    """bench.roofline.OverlapProbe's accounting on a made-up timeline (in ms; the probe's clock is in seconds): a
+    round with a prefill then a denoise call, then a denoise call alone."""
+    from bench.roofline import OverlapProbe
+
+    p = OverlapProbe(runner=None)
+    p.t_start, p.t_end = 0.0, 40.0
+    # [kind, dispatch start, dispatch end, ready]; denoise timeline: (entered, dispatched, sync, synced, returned)
+    p.calls = [["prefill", 2.0, 3.0, None], ["denoise", 5.0, 6.0, 15.0], ["denoise", 20.0, 21.0, 30.0]]
+    p.timeline = [(4.0, 6.0, 8.0, 15.0, 16.0), (19.0, 21.0, 32.0, 32.5, 33.0)]
+    ms = lambda x: x / 1e3 if isinstance(x, float) else x  # noqa: E731
+    p.t_start, p.t_end = ms(p.t_start), ms(p.t_end)
+    p.calls = [[c[0], *map(ms, c[1:])] for c in p.calls]
+    p.timeline = [tuple(map(ms, t)) for t in p.timeline]
+    s = p.summary()
+    assert s["calls"] == 2 and s["prefill_calls"] == 1
+    # exposed: 0->2 (before the prefill) + 15->20 (between the results and the next dispatch) + 30->32 (late read)
+    assert s["exposed_ms_per_call"] == pytest.approx((2 + 5 + 2) / 2)
+    # hidden: 3->5 (planning while the prefill runs) + 6->8 + 21->30 (after each dispatch, device busy)
+    assert s["hidden_ms_per_call"] == pytest.approx((2 + 2 + 9) / 2)
+    assert s["dispatch_ms_per_call"] == pytest.approx(3 / 2)
+    assert s["device_ms_per_call"] == pytest.approx((13 + 10) / 2)
+    b = s["breakdown_ms_per_call"]
+    assert b["prep"] == pytest.approx(1.0) and b["wait"] == pytest.approx(3.75)
+    assert b["outside"] == pytest.approx((4 + 3 + 7) / 2)
+
+
+def test_overlap_probe_on_a_runner():
+    """The probe around a real ModelRunner (tiny model, XLA:CPU): every denoise call timed, the runner's timeline
+    filled then cleared, the jitted functions restored."""
+    import jax.numpy as jnp
+
+    from bench.roofline import SMOKE, OverlapProbe, model_config, runner_overhead
+    from dllm_jax.engine import runner as runner_mod
+    from dllm_jax.model.params import init_params
+
+    cfg = model_config(SMOKE)
+    import jax
+
+    params = init_params(cfg, jax.random.PRNGKey(0), dtype=jnp.float32, std=0.02)
+    saved = runner_mod.denoise_packed
+    o = runner_overhead(cfg, params, 2, 32, "xla", iters=3, dtype=jnp.float32)
+    assert runner_mod.denoise_packed is saved
+    assert set(o["overlap_modes"]) == {"read_sync"}  # CPU: the results are read in place, no early copy
+    ov = o["overlap"]
+    assert ov["calls"] == 3 and ov["device_ms_per_call"] > 0 and 0 <= ov["hidden_frac"] <= 1
+    assert ov["host_ms_per_call"] == pytest.approx(ov["exposed_ms_per_call"] + ov["dispatch_ms_per_call"]
+                                                   + ov["hidden_ms_per_call"])
+    assert OverlapProbe.__doc__
+
+
+@pytest.mark.slow
+def test_gpu_check_smoke(tmp_path):
+    """``bash bench/gpu_check.sh --smoke`` on CPU: every stage of the GPU script (roofline now and at the previous
+    commit, step profile, kernels with the attention sweep and a crossover table, the side-by-side with
+    transformers) runs and the summary prints (about 3.5 minutes on the 2-core CI machine)."""
+    import subprocess
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("OUT", None)
+    proc = subprocess.run(["bash", os.path.join(REPO, "bench", "gpu_check.sh"), "--smoke"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    for stage in ("roofline (this tree) exit 0", "step profile exit 0", "kernels exit 0",
+                  "side by side: engine vs transformers exit 0", "== summary =="):
+        assert stage in out, (stage, out[-3000:])
+    assert "step profile batch 1:" in out and "side by side batch" in out
+    dest = os.path.join(REPO, "bench_out", "gpu")
+    for name in ("roofline.json", "step_profile.json", "kernels.json", "side_by_side.json",
+                 "confidence_crossover.smoke.json"):
+        assert os.path.isfile(os.path.join(dest, name)), name

@@ -62,6 +62,65 @@ def test_matches_reference_f32(block, chunk_blocks, q_heads, kv_heads, head_dim,
     _check(args, block=block, tol=2e-5, **tiles)
 
 
+def _ragged_mid_page_inputs(*, block, chunk_blocks, prefix, width, seed, q_heads=4, kv_heads=2, head_dim=16):
+    """Rows of different lengths whose prefixes end inside a page (and one empty row); tables out of order."""
+    rng = np.random.default_rng(seed)
+    rows, t = len(prefix), chunk_blocks * block
+    table = np.stack([rng.permutation(np.arange(1, NUM_PAGES))[:width] for _ in range(rows)]).astype(np.int32)
+
+    def randn(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+    return [randn(rows, t, q_heads, head_dim), randn(rows, t, kv_heads, head_dim), randn(rows, t, kv_heads, head_dim),
+            randn(kv_heads, NUM_PAGES, block, head_dim), randn(kv_heads, NUM_PAGES, block, head_dim),
+            jnp.asarray(table), jnp.asarray(np.asarray(prefix, np.int32))]
+
+
+# Page = key tile = 16 tokens and a 6-page table: a row has up to 6 prefix tiles, so the split counts run from one
+# split per row through one tile per split to more splits than tiles (empty splits). Prefixes 0, 5, 25, 83: rows of
+# four lengths, three of them ending mid-page (83 = 5 pages + 3 tokens: the 6th page holds 3 keys).
+MID_PAGE_PREFIX = (0, 5, 25, 83)
+
+
+@pytest.mark.parametrize("kv_splits", [1, 2, 3, 4, 6, 8])
+def test_every_split_count_ragged_mid_page(kv_splits):
+    args = _ragged_mid_page_inputs(block=16, chunk_blocks=1, prefix=MID_PAGE_PREFIX, width=6, seed=kv_splits)
+    assert attention_tiles(4, 16, 4, 2, 16, 6, block_size=16, block_k=16)["pages_per_tile"] == 1
+    _check(args, block=16, tol=2e-5, block_k=16, kv_splits=kv_splits)
+
+
+@pytest.mark.parametrize("kv_splits", [1, 2, 4])
+def test_split_counts_multi_block_chunk_two_pages_per_tile(kv_splits):
+    """A 3-block chunk (block-causal inside it) over mid-page prefixes, two pages per key tile (a tile can hold
+    the row's last, partial page and a page past its prefix)."""
+    args = _ragged_mid_page_inputs(block=8, chunk_blocks=3, prefix=(13, 0, 40, 19), width=6, seed=10 + kv_splits)
+    _check(args, block=8, tol=2e-5, block_k=16, kv_splits=kv_splits)
+
+
+def test_keys_past_a_mid_page_prefix_are_never_read():
+    """The pages after a row's prefix may hold anything, NaN included (the kernel redirects them to the trash page);
+    the slots of its last, partial page past the prefix anything finite (read, then given zero weight: a NaN
+    there would reach the output through 0 x NaN, in the reference too; live pages never hold one)."""
+    block, prefix = 16, MID_PAGE_PREFIX
+    args = _ragged_mid_page_inputs(block=block, chunk_blocks=1, prefix=prefix, width=6, seed=7)
+    base = paged_block_attention(*args, block_size=block, interpret=True, block_k=16, kv_splits=2)
+    table = np.asarray(args[5])
+    k_pages, v_pages = np.array(args[3]), np.array(args[4])
+    for r, plen in enumerate(prefix):
+        full, tail = divmod(plen, block)
+        for j in range(full + (tail > 0), 6):  # whole pages past the prefix
+            if table[r, j] not in {int(table[o, i]) for o, p in enumerate(prefix) for i in range(-(-p // block))}:
+                k_pages[:, table[r, j]] = np.nan
+                v_pages[:, table[r, j]] = np.nan
+        if tail and all(int(table[r, full]) != int(table[o, i]) for o, p in enumerate(prefix) if o != r
+                        for i in range(-(-p // block))):
+            k_pages[:, table[r, full], tail:] = 1e4  # the partial page's slots after the prefix: huge scores
+            v_pages[:, table[r, full], tail:] = -1e4
+    args[3], args[4] = jnp.asarray(k_pages), jnp.asarray(v_pages)
+    out = paged_block_attention(*args, block_size=block, interpret=True, block_k=16, kv_splits=2)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(base))
+
+
 def test_odd_head_dim_and_group_are_padded():
     """Head dim 24 and 3 q heads per kv head are not powers of two: the wrapper pads them."""
     args = _inputs(block=4, chunk_blocks=2, q_heads=6, kv_heads=2, head_dim=24, seed=3)
@@ -152,3 +211,32 @@ def test_drop_in_attention_fn_for_the_model():
         hidden[backend] = jax.jit(lambda p, t, kv: forward_chunk(p, cfg, t, kv, table, prefix, write, block_size=4,
                                                                  attention_fn=fn)[0])(params, tokens, pools)
     np.testing.assert_allclose(np.asarray(hidden["pallas_interpret"]), np.asarray(hidden["xla"]), atol=2e-5)
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("rows,width,kv_splits,block_k", [(1, 32, 1, 64), (1, 32, 32, 128), (8, 128, 4, 64)])
+def test_sweep_configs_lower_for_cuda_in_a_device_loop(rows, width, kv_splits, block_k):
+    """bench/kernels.py times the kernel inside a jitted fori_loop (an optimization barrier per iteration, a page
+    table offset per iteration) over split counts x key tiles: that program lowers for CUDA (Triton) on the CPU."""
+    from jax import lax
+
+    S = jax.ShapeDtypeStruct
+    hq, hkv, d = 16, 8, 128
+
+    def run(q, kn, vn, kp, vp, table, plen):
+        def body(i, c):
+            x, acc = c
+            out = paged_block_attention(x, kn, vn, kp, vp, table + (i % 3) * 7, plen, block_size=32,
+                                        kv_splits=kv_splits, block_k=block_k)
+            x, out = lax.optimization_barrier((x, out))
+            return x, acc + out.reshape(-1)[0].astype(jnp.float32)
+
+        return lax.fori_loop(0, 4, body, (q, jnp.float32(0)))[1]
+
+    args = (S((rows, 32, hq, d), jnp.bfloat16), S((rows, 32, hkv, d), jnp.bfloat16),
+            S((rows, 32, hkv, d), jnp.bfloat16), S((hkv, 4096, 32, d), jnp.bfloat16),
+            S((hkv, 4096, 32, d), jnp.bfloat16), S((rows, width), jnp.int32), S((rows,), jnp.int32))
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev)):
+        text = jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text.lower() and "while" in text

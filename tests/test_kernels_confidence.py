@@ -126,3 +126,96 @@ def test_backends_and_tiles():
     assert (t["block_n"], t["block_v"], t["n_row_tiles"], t["vocab_splits"]) == (32, 128, 1, 264)
     t = confidence_tiles(2048, 2048, 151936)  # batch 64
     assert (t["block_n"], t["n_row_tiles"], t["vocab_splits"], t["num_warps"]) == (128, 16, 17, 8)
+
+
+# ----------------------------------------------------------------------------------------------
+# auto: Pallas or XLA per shape, from the measured crossover table
+# ----------------------------------------------------------------------------------------------
+
+def _table(kind="Test GPU"):
+    e = lambda n, w, vm=False: dict(positions=n, hidden=2048, vocab=151936, vocab_major=vm, winner=w)  # noqa: E731
+    return {"devices": {kind: [e(32, "pallas"), e(256, "pallas"), e(1024, "xla"), e(4096, "xla"),
+                               e(32, "xla", True)]}}
+
+
+def test_crossover_lookup():
+    """The winner of the entry nearest in log2(positions), of the same (hidden, vocab) and head layout (the other
+    layout when only that one was measured); the default where the device or shape has no entry."""
+    from pallas_kernels.confidence import CROSSOVER_DEFAULT, choose_confidence_backend
+
+    t = _table()
+
+    def pick(n, h=2048, v=151936, vm=False, kind="Test GPU"):
+        return choose_confidence_backend(n, h, v, vocab_major=vm, device_kind=kind, table=t)
+
+    assert [pick(n) for n in (1, 32, 64, 128, 256, 511, 512, 513, 2048, 1 << 20)] == \
+        ["pallas", "pallas", "pallas", "pallas", "pallas", "pallas", "xla", "xla", "xla", "xla"]  # 512: tie -> 1024
+    assert pick(2048, vm=True) == "xla" and pick(32, vm=True) == "xla"  # its own layout's entries only
+    assert pick(32, kind="Other GPU") == CROSSOVER_DEFAULT == "pallas"  # device not in the table
+    assert pick(32, h=4096) == CROSSOVER_DEFAULT and pick(32, v=1000) == CROSSOVER_DEFAULT  # shape not in it
+    assert choose_confidence_backend(32, 2048, 151936, device_kind="x", table={}) == CROSSOVER_DEFAULT
+
+
+def test_shipped_crossover_table_is_well_formed():
+    """The table kept in the repository: every entry names its shape and a winner consistent with its times;
+    on the measured H200 the 2,048-position case (3.37 vs 2.34 ms, bench/RESULTS.md) goes to XLA."""
+    from pallas_kernels.confidence import choose_confidence_backend, crossover_table
+
+    table = crossover_table()
+    assert table["devices"], "pallas_kernels/confidence_crossover.json is missing or empty"
+    for kind, entries in table["devices"].items():
+        assert kind in table.get("sources", {}), kind
+        for e in entries:
+            assert {"positions", "hidden", "vocab", "winner"} <= set(e) and e["winner"] in ("pallas", "xla")
+            if "pallas_us" in e and "xla_us" in e:
+                assert e["winner"] == ("pallas" if e["pallas_us"] <= e["xla_us"] else "xla"), e
+    h200 = dict(hidden_dim=2048, vocab=151936, device_kind="NVIDIA H200", table=table)
+    assert choose_confidence_backend(2048, **h200) == "xla"
+    assert choose_confidence_backend(2048, vocab_major=True, **h200) == "xla"  # the tied head (the engine's)
+    assert choose_confidence_backend(32, **h200) == "pallas"
+
+
+def test_write_crossover_merges(tmp_path):
+    from pallas_kernels.confidence import choose_confidence_backend, crossover_table, write_crossover
+
+    path = str(tmp_path / "table.json")
+    e = lambda n, w, **kw: dict(positions=n, hidden=64, vocab=1000, winner=w, **kw)  # noqa: E731
+    write_crossover("A", [e(32, "pallas"), e(256, "xla")], path=path, source="run 1")
+    write_crossover("B", [e(32, "xla")], path=path, source="run 2")
+    write_crossover("A", [e(256, "pallas", pallas_us=1.0, xla_us=2.0)], path=path)  # replaces A's 256
+    table = crossover_table(path)
+    assert table["sources"] == {"A": "run 1", "B": "run 2"}
+    assert [(x["positions"], x["winner"]) for x in table["devices"]["A"]] == [(32, "pallas"), (256, "pallas")]
+    assert choose_confidence_backend(256, 64, 1000, device_kind="B", table=table) == "xla"
+    assert crossover_table(str(tmp_path / "missing.json")) == {"devices": {}}
+
+
+def test_auto_runs_the_winner_per_shape(tmp_path, monkeypatch):
+    """``confidence_stats_auto`` (what ``auto`` runs on a GPU) takes the table's winner for each traced shape and
+    gives the reference's results either way (here on CPU: the kernel in interpret mode, both head layouts);
+    the engine config keeps ``auto`` only on a GPU."""
+    import json
+
+    import pallas_kernels.confidence as conf
+    from pallas_kernels import resolve_confidence_backend
+
+    kind = jax.devices()[0].device_kind
+    table = {"devices": {kind: [dict(positions=8, hidden=32, vocab=500, winner="pallas"),
+                                dict(positions=64, hidden=32, vocab=500, winner="xla")]}}
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setenv("DLLM_JAX_CONFIDENCE_CROSSOVER", str(path))
+    calls = []
+    real_kernel = conf.confidence_stats
+    monkeypatch.setattr(conf, "confidence_stats", lambda *a, **k: calls.append("pallas") or real_kernel(*a, **k))
+    for n, want in ((8, ["pallas", "pallas"]), (64, [])):
+        hidden, head = _data(n, 32, 500, seed=n)
+        ref = reference(hidden, head, exclude_token_id=3)
+        calls.clear()
+        _check(conf.confidence_stats_auto(hidden, head, exclude_token_id=3, interpret=True), ref)
+        _check(conf.confidence_stats_auto(hidden, head.T, exclude_token_id=3, interpret=True, vocab_major=True), ref)
+        assert calls == want
+    assert resolve_confidence_backend("auto") == "xla"  # CPU
+    assert resolve_confidence_backend("pallas_interpret") == "pallas_interpret"
+    with pytest.raises(ValueError):
+        resolve_confidence_backend("pallas")  # needs a GPU

@@ -243,8 +243,9 @@ def test_config_fields_and_param_layout(tmp_path):
     layers = loaded.params["layers"]
     assert set(layers[0]) >= {"q", "k", "v", "o", "o_bias", "q_bias", "gate", "up", "down"} and "moe" not in layers[0]
     moe = layers[1]["moe"]
-    assert moe["gate"].shape == (8, 48, 24) and moe["down"].shape == (8, 24, 48) and moe["router"].shape == (48, 8)
-    assert moe["shared_gate"].shape == (48, 20) and moe["expert_bias"].shape == (8,)
+    # matrices [out, in] ([E, out, in]) as the checkpoint stores them
+    assert moe["gate"].shape == (8, 24, 48) and moe["down"].shape == (8, 48, 24) and moe["router"].shape == (8, 48)
+    assert moe["shared_gate"].shape == (20, 48) and moe["expert_bias"].shape == (8,)
     soft = load_model(_write(tmp_path / "s", SOFTMAX_TIED, _random_checkpoint(SOFTMAX_TIED)))
     assert soft.config.delete_token_id is None and soft.config.split_token_id is None
     assert soft.config.rotary_dim == 16 and not soft.config.use_qk_norm and "lm_head" not in soft.params
@@ -341,11 +342,11 @@ def test_shared_experts_added_unscaled_to_scaled_routed_output():
     cfg = _cfg(moe_score_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5, num_shared_experts=2,
                shared_expert_intermediate_size=3)
     keys = jax.random.split(jax.random.key(0), 7)
-    moe = {"router": jax.random.normal(keys[0], (8, 8)), "gate": 0.5 * jax.random.normal(keys[1], (8, 8, 4)),
-           "up": 0.5 * jax.random.normal(keys[2], (8, 8, 4)), "down": 0.5 * jax.random.normal(keys[3], (8, 4, 8)),
-           "shared_gate": 0.5 * jax.random.normal(keys[4], (8, 6)),
-           "shared_up": 0.5 * jax.random.normal(keys[5], (8, 6)),
-           "shared_down": 0.5 * jax.random.normal(keys[6], (6, 8))}
+    moe = {"router": jax.random.normal(keys[0], (8, 8)), "gate": 0.5 * jax.random.normal(keys[1], (8, 4, 8)),
+           "up": 0.5 * jax.random.normal(keys[2], (8, 4, 8)), "down": 0.5 * jax.random.normal(keys[3], (8, 8, 4)),
+           "shared_gate": 0.5 * jax.random.normal(keys[4], (6, 8)),
+           "shared_up": 0.5 * jax.random.normal(keys[5], (6, 8)),
+           "shared_down": 0.5 * jax.random.normal(keys[6], (8, 6))}
     x = jax.random.normal(jax.random.key(1), (5, 8))
     routed_only = {k: v for k, v in moe.items() if not k.startswith("shared_")}
     shared = swiglu(x, moe["shared_gate"], moe["shared_up"], moe["shared_down"])
@@ -363,11 +364,11 @@ def test_norm_head_normalises_each_hidden_unit_over_the_vocabulary(tmp_path):
     head = tensors["lm_head.weight"].astype(np.float64)  # [V, H]
     on = load_model(_write(tmp_path / "on", BAILING, tensors))
     off = load_model(_write(tmp_path / "off", dict(BAILING, norm_head=False), tensors))
-    np.testing.assert_allclose(np.asarray(off.params["lm_head"]), head.T, rtol=1e-6)
-    expected = (head / np.linalg.norm(head, axis=0, keepdims=True)).T
+    np.testing.assert_allclose(np.asarray(off.params["lm_head"]), head, rtol=1e-6)  # [V, H], as stored
+    expected = head / np.linalg.norm(head, axis=0, keepdims=True)
     np.testing.assert_allclose(np.asarray(on.params["lm_head"]), expected, rtol=1e-5, atol=1e-7)
     # Not rows: each vocabulary row is NOT unit length, each hidden column is.
-    np.testing.assert_allclose(np.linalg.norm(np.asarray(on.params["lm_head"]), axis=1), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(np.asarray(on.params["lm_head"]), axis=0), 1.0, rtol=1e-5)
     # Tied + norm_head: SGLang skips the (absent) lm_head tensor, so nothing is normalised.
     tied = dict(BAILING, tie_word_embeddings=True)
     t2 = {k: v for k, v in tensors.items() if k != "lm_head.weight"}

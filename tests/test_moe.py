@@ -186,8 +186,8 @@ def _moe_params(cfg, seed=0):
 
 
 def _loop_reference(moe, x, cfg):
-    """Per token, per chosen expert, a plain dense SwiGLU (routing from :func:`route`)."""
-    ids, w = jax.jit(route, static_argnums=1)(jnp.asarray(x) @ moe["router"], cfg, moe.get("expert_bias"))
+    """Per token, per chosen expert, a plain dense SwiGLU (routing from :func:`route`); matrices are ``[out, in]``."""
+    ids, w = jax.jit(route, static_argnums=1)(jnp.asarray(x) @ moe["router"].T, cfg, moe.get("expert_bias"))
     ids, w = np.asarray(ids), np.asarray(w)
     g, u, d = (np.asarray(moe[k], np.float64) for k in ("gate", "up", "down"))
     out = np.zeros(x.shape, np.float64)
@@ -195,13 +195,13 @@ def _loop_reference(moe, x, cfg):
         xn = np.asarray(x[n], np.float64)
         for slot in range(ids.shape[1]):
             e = ids[n, slot]
-            a = xn @ g[e]
-            out[n] += w[n, slot] * ((a / (1 + np.exp(-a)) * (xn @ u[e])) @ d[e])
+            a = xn @ g[e].T
+            out[n] += w[n, slot] * ((a / (1 + np.exp(-a)) * (xn @ u[e].T)) @ d[e].T)
     if "shared_gate" in moe:
         xs = np.asarray(x, np.float64)
-        a = xs @ np.asarray(moe["shared_gate"], np.float64)
-        out += (a / (1 + np.exp(-a)) * (xs @ np.asarray(moe["shared_up"], np.float64))) @ np.asarray(
-            moe["shared_down"], np.float64)
+        a = xs @ np.asarray(moe["shared_gate"], np.float64).T
+        out += (a / (1 + np.exp(-a)) * (xs @ np.asarray(moe["shared_up"], np.float64).T)) @ np.asarray(
+            moe["shared_down"], np.float64).T
     return out
 
 
@@ -244,9 +244,9 @@ def test_output_independent_of_batch_composition(variant):
 def test_moe_param_layout_is_expert_stacked():
     cfg = _moe_cfg(**MOE_VARIANTS["bailing"])
     moe = param_shapes(cfg)["layers"][0]["moe"]
-    assert moe["gate"] == moe["up"] == (8, 32, 24) and moe["down"] == (8, 24, 32)
-    assert moe["router"] == (32, 8) and moe["expert_bias"] == (8,)
-    assert moe["shared_gate"] == (32, 16) and moe["shared_down"] == (16, 32)
+    assert moe["gate"] == moe["up"] == (8, 24, 32) and moe["down"] == (8, 32, 24)  # [E, out, in]
+    assert moe["router"] == (8, 32) and moe["expert_bias"] == (8,)
+    assert moe["shared_gate"] == (16, 32) and moe["shared_down"] == (32, 16)
     p = init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)["layers"][0]["moe"]
     assert p["router"].dtype == jnp.float32 and p["expert_bias"].dtype == jnp.float32  # fp32 router
     assert p["gate"].dtype == jnp.bfloat16

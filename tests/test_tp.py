@@ -59,10 +59,11 @@ def test_parameters_and_kv_pages_are_sharded(models, make_engine):
     engine = make_engine(models["even"], tensor_parallel_size=2, **ENGINE_KW)
     params = engine.runner.params
     layer = params["layers"][0]
-    for name in ("q", "k", "v", "gate", "up"):
+    for name in ("q", "k", "v", "gate", "up"):  # [out, in]: split on out (by head, by MLP unit)
         assert _per_device_bytes(layer[name]) * 2 == layer[name].nbytes, name
-    for name in ("o", "down"):
         assert layer[name].sharding.spec[0] == "tp", name
+    for name in ("o", "down"):  # [out, in]: split on in
+        assert layer[name].sharding.spec[1] == "tp", name
     assert _per_device_bytes(params["embed"]) * 2 == params["embed"].nbytes
     assert _per_device_bytes(params["lm_head"]) * 2 == params["lm_head"].nbytes
     k_pool = engine.runner.kv_pages[0][0]
@@ -76,7 +77,7 @@ def test_replicated_when_heads_do_not_divide(models, make_engine):
     engine = make_engine(models["odd"], tensor_parallel_size=4, **ENGINE_KW)
     layer = engine.runner.params["layers"][0]
     assert layer["k"].sharding.spec == jax.sharding.PartitionSpec(None, None)  # 3 KV heads over 4 devices
-    assert layer["gate"].sharding.spec[1] == "tp"  # the MLP still splits (72 / 4)
+    assert layer["gate"].sharding.spec[0] == "tp"  # the MLP still splits (72 / 4)
 
 
 def test_full_logits_never_materialised(models, make_engine):

@@ -126,7 +126,8 @@ def test_update_from_disk_decodes_like_a_fresh_engine(engine, prompts, perturbed
     assert compiled_executables() == before
     assert engine.get_weight_version() == "v1"
     q = perturbed["flat"]["layers.1.q"]
-    np.testing.assert_array_equal(engine.get_weights_by_name("model.layers.1.self_attn.q_proj.weight", 5), q.T[:5])
+    # matrices are stored [out, in] as the checkpoint stores them: both names read the same array
+    np.testing.assert_array_equal(engine.get_weights_by_name("model.layers.1.self_attn.q_proj.weight", 5), q[:5])
     np.testing.assert_array_equal(engine.get_weights_by_name("layers.1.q", None), q)
     engine.scheduler.check_pages()
 
@@ -166,7 +167,7 @@ def test_update_from_converted_dir_and_torch_tensors(engine, prompts, originals,
      "nope.weight.*not a parameter"),
     ({"embed": np.zeros((768, 128), np.int32)}, "'embed'.*floating"),
     ({"model.layers.9.mlp.up_proj.weight": np.zeros((512, 128), np.float32)}, "layer 9"),
-    ({"layers.0.k": np.zeros((128, 64), np.float32), "model.layers.0.self_attn.k_proj.weight":
+    ({"layers.0.k": np.zeros((64, 128), np.float32), "model.layers.0.self_attn.k_proj.weight":
         np.zeros((64, 128), np.float32)}, "k_proj.*as tensor 'layers.0.k'"),
 ], ids=["shape", "unknown-name", "dtype", "layer", "twice"])
 def test_refused_update_changes_nothing(engine, bad, match):

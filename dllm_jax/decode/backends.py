@@ -10,6 +10,10 @@ With a device mesh: attention runs per KV-head shard (Pallas under ``shard_map``
 sharding propagation), and confidence selection runs per vocabulary shard, each shard reducing its slice of
 the LM head to a (max, sum-exp, argmax) triple; only those ``3 x N`` numbers are gathered and merged, never the
 ``[N, V]`` logits.
+
+The engine's ``confidence_backend="auto"`` stays ``"auto"`` on a GPU (:func:`pallas_kernels.
+resolve_confidence_backend`): :func:`confidence_stats` then picks Pallas or XLA for each traced shape from the
+measured crossover table (:func:`pallas_kernels.choose_confidence_backend`).
 """
 
 from __future__ import annotations
@@ -57,33 +61,41 @@ def confidence_function(backend: str):
 
 
 def confidence_stats(backend: str, params, hidden, *, exclude_token_id, mesh=None, cfg=None):
-    """(argmax, p_max, lse) of ``hidden [N, H]`` against the LM head. A tied head goes to the Pallas kernel as
-    the stored ``[V, H]`` embedding (``vocab_major``): passing ``embed.T`` would make XLA copy it every step."""
+    """(argmax, p_max, lse) of ``hidden [N, H]`` against the LM head. The head goes to the Pallas kernel as stored,
+    ``[V, H]`` (``vocab_major``): the untied head as the checkpoint stores it, or the tied embedding (passing
+    ``embed.T`` would make XLA copy it every step)."""
     from dllm_jax.sharding import vocab_shards
 
+    if backend == "auto":  # a GPU: the measured winner for this shape (pallas_kernels/confidence_crossover.json)
+        from pallas_kernels.confidence import choose_confidence_backend
+
+        head = params["lm_head"] if "lm_head" in params else params["embed"]
+        vocab_major = "lm_head" not in params or head.shape[0] != hidden.shape[1]  # [V, H], as the embedding
+        backend = choose_confidence_backend(hidden.shape[0], hidden.shape[1], head.shape[0 if vocab_major else 1],
+                                            vocab_major=vocab_major)
     if cfg is not None and vocab_shards(cfg, mesh) > 1:
         return _vocab_parallel_confidence(backend, params, hidden, exclude_token_id, mesh)
-    if backend != "xla" and "lm_head" not in params:
-        from pallas_kernels import get_confidence_fn
-
-        fn = get_confidence_fn(backend, vocab_major=True)
-        return fn(hidden, params["embed"], exclude_token_id=exclude_token_id)
-    if backend == "xla":  # the tied head contracted as stored (``embed.T`` is copied on XLA:CPU in bf16)
+    if backend == "xla":  # the [V, H] head contracted as stored (``embed.T`` is copied on XLA:CPU in bf16)
         from dllm_jax.model.qwen3 import logits_from_hidden
         from pallas_kernels.confidence import confidence_stats_from_logits
 
         return confidence_stats_from_logits(logits_from_hidden(params, hidden), exclude_token_id=exclude_token_id)
-    head = params["lm_head"] if "lm_head" in params else params["embed"].T
-    return confidence_function(backend)(hidden, head, exclude_token_id=exclude_token_id)
+    from dllm_jax.model.qwen3 import lm_head
+    from pallas_kernels import get_confidence_fn
+
+    fn = get_confidence_fn(backend, vocab_major=True)  # the head is [V, H], tied or not (dllm_jax.model.params)
+    return fn(hidden, lm_head(params), exclude_token_id=exclude_token_id)
 
 
 def _vocab_parallel_confidence(backend, params, hidden, exclude_token_id, mesh):
     from dllm_jax.sharding import RULES
 
+    from dllm_jax.model.qwen3 import lm_head
+
     axis = RULES["vocab"]
-    vocab_major = "lm_head" not in params
-    head = params["embed"] if vocab_major else params["lm_head"]
-    head_spec = P(axis, None) if vocab_major else P(None, axis)
+    vocab_major = True  # the head is [V, H], tied or not (dllm_jax.model.params)
+    head = lm_head(params)
+    head_spec = P(axis, None)
 
     def local(h, w):
         v_local = w.shape[0] if vocab_major else w.shape[1]

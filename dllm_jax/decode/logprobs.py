@@ -117,10 +117,8 @@ def _merge_gathered(vals, ids, axis, k):
 # ----------------------------------------------------------------------------------------------
 
 def _head(params):
-    """(head, vocab_major): the stored ``[V, H]`` tied embedding or the ``[H, V]`` LM head, never transposed."""
-    if "lm_head" in params:
-        return params["lm_head"], False
-    return params["embed"], True
+    """(head, vocab_major): the stored ``[V, H]`` LM head or tied embedding, never transposed."""
+    return (params["lm_head"] if "lm_head" in params else params["embed"]), True
 
 
 def _token_logits_local(h, w, tokens, offset, vocab_major):

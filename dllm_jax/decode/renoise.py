@@ -147,7 +147,7 @@ def denoise_step(params, cfg: ModelConfig, rcfg: RenoiseConfig, state: RenoiseSt
     num_rows, length = state.canvas.shape
     hidden = gemma.decode_canvas(params, cfg, state.canvas, prefix_len, kv_pages, page_tables, state.soft)
     embed = gemma.decoder_weights(params, cfg)[0]
-    head, vocab_major = (params["lm_head"], False) if "lm_head" in params else (embed, True)
+    head, vocab_major = params.get("lm_head", embed), True  # [V, H], as the checkpoint stores it
     step = state.step
     temperature = rcfg.t_min + (rcfg.t_max - rcfg.t_min) * step.astype(jnp.float32) / rcfg.max_denoising_steps
     positions = jnp.arange(length, dtype=jnp.int32)[None, :]

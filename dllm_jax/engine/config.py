@@ -88,7 +88,8 @@ class EngineConfig:
                 "pallas_interpret (tests)", choices=BACKENDS)
     confidence_backend: str = option(
         "auto", "the kernel that turns logits into confidences and candidates; the same choices as "
-                "attention_backend", choices=BACKENDS)
+                "attention_backend (auto on GPU: pallas or xla per shape, from the measured table "
+                "pallas_kernels/confidence_crossover.json)", choices=BACKENDS)
     tensor_parallel_size: int = option(
         1, "devices the heads and hidden dimensions are sharded over (a device mesh, dllm_jax/sharding.py; "
            "several processes: the total device count)", minimum=1, flags=("--tp", "--tensor-parallel-size"))
@@ -175,6 +176,7 @@ class EngineConfig:
         import jax
 
         from dllm_jax.decode.backends import resolve_backend
+        from pallas_kernels import resolve_confidence_backend
 
         platform = jax.default_backend()
         options = self.algorithm_options()
@@ -183,7 +185,7 @@ class EngineConfig:
             self, algorithm_config=options,
             block_size=options.get("block_size") if self.block_size is None else self.block_size,
             attention_backend=resolve_backend(self.attention_backend, "attention_backend"),
-            confidence_backend=resolve_backend(self.confidence_backend, "confidence_backend"),
+            confidence_backend=resolve_confidence_backend(self.confidence_backend, "confidence_backend"),
             dtype=("bfloat16" if platform == "gpu" else "float32") if self.dtype == "auto" else self.dtype,
             fold_commit_forward=fold,
             chain_blocks=(0 if fold else DEFAULT_CHAIN_BLOCKS) if self.chain_blocks is None else self.chain_blocks,

@@ -8,6 +8,7 @@ step variants, warm-up and the compiles that run off the scheduler's thread).
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -115,6 +116,15 @@ class ModelRunner:
         # When a list (the efficiency bench sets one), every call appends a CallRecord: its bucket and how much
         # of it was real work, so a run can be set against the bare cost of its buckets.
         self.call_log: list | None = None
+        # When a list (the host-overlap bench, bench/roofline.py), every denoise call appends its host timestamps
+        # (perf_counter): (entered, dispatched, sync started, sync ended, returned): what the host did before the
+        # dispatch, while the device ran, and after the result.
+        self.timeline: list | None = None
+        # On an accelerator, each denoise call's results start their copy to the host as soon as the call is
+        # dispatched (queued behind the step on the device), so the read finds them on the host instead of starting
+        # a device-to-host transfer once the host asks. XLA:CPU reads the buffer in place (an asynchronous copy there
+        # costs ~0.1 ms a call), so not there; nor with followers (several processes), kept as they were.
+        self.read_async = jax.default_backend() != "cpu" and channel is None
 
     # -------------------------------------------------------------------------------------------
     # Device calls. With several processes (multi-host), the leader sends every call's padded inputs to the
@@ -276,6 +286,8 @@ class ModelRunner:
     def denoise(self, rows: list[DecodeRow], loop_cap: int = 1):
         """One denoise call over ``rows``: one step, or (FDFO) up to ``loop_cap`` steps until the first row with
         something to decode is done, or (sync) the whole block loop; returns a ``DecodeOutput``."""
+        timeline = self.timeline
+        t_enter = time.perf_counter() if timeline is not None else 0.0
         B = self.block_size
         n = len(rows)
         R = pick_bucket(n, self.row_buckets)
@@ -301,11 +313,17 @@ class ModelRunner:
             variant |= VARIANT_LOGPROBS | (VARIANT_TOP if any(r.logprobs > 0 for r in rows) else 0)
         packed = staging.copy()  # the call's own inputs (the staging rows are rewritten by the next call)
         result = self._execute(KIND_DENOISE | (variant << 2), {"rows": packed}, (R, W, B))
+        if self.read_async:
+            for leaf in jax.tree.leaves(result):
+                leaf.copy_to_host_async()
+        t_dispatched = time.perf_counter() if timeline is not None else 0.0
         sampled = bool(np.any((fields["temperature"] > 0) & (fields["top_k"] != 1)))
         self.compiler.ran(("denoise", R, W, sampled, variant))
+        t_sync = time.perf_counter() if timeline is not None else 0.0
         # The one host sync of this step. np.array, not jax.device_get: on XLA:CPU it reads the buffer directly
         # (~1 us; device_get's asynchronous copy costs ~0.1 ms a call).
         results, record = np.array(result[0]), jax.tree.map(np.asarray, result[1])
+        t_synced = time.perf_counter() if timeline is not None else 0.0
         res = self._result_layouts[chain].unpack(results[:n])
         forwards, chained = res["steps"], np.zeros(n, np.int64)
         if chain:
@@ -325,6 +343,8 @@ class ModelRunner:
             out.logprob, out.recorded = np.asarray(record.logprob[:n]), np.asarray(record.recorded[:n])
             if record.top_ids is not None:
                 out.top_logprob, out.top_ids = np.asarray(record.top_logprob[:n]), np.asarray(record.top_ids[:n])
+        if timeline is not None:
+            timeline.append((t_enter, t_dispatched, t_sync, t_synced, time.perf_counter()))
         return out
 
     def _fill_row(self, fields: dict, state: dict, i: int, r: DecodeRow, chain: bool, R: int) -> None:

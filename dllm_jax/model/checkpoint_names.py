@@ -1,9 +1,11 @@
 """Checkpoint tensor names <-> our pytree, both ways, derived from the parameter table's names.
 
 A checkpoint tensor maps to one or more *parts* (:class:`Part`): a leaf of our pytree (``path``), optionally one
-expert row of a stacked ``[E, ...]`` leaf, and the conversion from the checkpoint's array (``[out, in]`` matrices
-transposed once; a fused tensor split in table order). Besides the names, a family's layout has a few rules of
-its own (:data:`LAYOUTS`): which names only a sparse (MoE) layer may hold, and which it refuses outright.
+expert row of a stacked ``[E, ...]`` leaf, and the conversion from the checkpoint's array. Matrices are stored as
+the checkpoints store them (``[out, in]``, :mod:`dllm_jax.model.params`), so a tensor is used as it is (``ID``) or,
+fused, split by rows in table order: a part is always a copy of the checkpoint's bytes, never a transpose.
+Besides the names, a family's layout has a few rules of its own (:data:`LAYOUTS`): which names only a sparse (MoE)
+layer may hold, and which it refuses outright.
 """
 
 from __future__ import annotations
@@ -32,13 +34,15 @@ class Unsupported(Exception):
 
 # Conversion specs, applied on the device (jnp) or to numpy arrays alike:
 #   ("id",)               as stored
-#   ("T",)                [out, in] -> [in, out]
-#   ("T3",)               [E, out, in] -> [E, in, out]
-#   ("rows", lo, hi, t)   rows lo:hi of a fused tensor (LLaDA2 query_key_value), transposed if t
-#   ("mid", lo, hi)       a[:, lo:hi] of a fused 3D expert tensor, then [E, in, out]
+#   ("rows", lo, hi)      rows lo:hi of a fused tensor (LLaDA2 query_key_value)
+#   ("mid", lo, hi)       a[:, lo:hi] of a fused 3D expert tensor (gate_up_proj [E, 2M, H])
+#   ("T",), ("T3",)       [in, out] -> [out, in] (stacked: [E, in, out] -> [E, out, in]): only for the matrices of
+#                         a converted directory of format version 1, which stored them [in, out]
 ID, T, T3 = ("id",), ("T",), ("T3",)
 # Specs that act row by row along axis 0, so a large tensor can be converted in chunks of rows.
 CHUNKABLE = ("id", "T", "T3", "mid")
+# Specs whose result is a slice of the stored array: a tensor in the leaf's dtype is copied, never computed on.
+COPIES = ("id", "rows", "mid")
 
 
 def convert(spec: tuple, a):
@@ -50,10 +54,9 @@ def convert(spec: tuple, a):
     if kind == "T3":
         return a.transpose(0, 2, 1)
     if kind == "rows":
-        part = a[spec[1]:spec[2]]
-        return part.T if spec[3] else part
+        return a[spec[1]:spec[2]]
     if kind == "mid":
-        return a[:, spec[1]:spec[2]].transpose(0, 2, 1)
+        return a[:, spec[1]:spec[2]]
     raise AssertionError(spec)
 
 
@@ -106,28 +109,19 @@ def _path(leaf: Leaf, layer: int | None) -> tuple:
     return ("layers", layer, "moe", leaf.key) if leaf.where == MOE else ("layers", layer, leaf.key)
 
 
-def _hf_rows(cfg: ModelConfig, leaf: Leaf) -> int:
-    """The leaf's rows in a fused checkpoint tensor (its size along the checkpoint's out axis)."""
-    shape = leaf.shape_for(cfg)
-    return shape[-1] if leaf.hf_transposed else shape[0]
-
-
 def _parts(cfg: ModelConfig, leaves: list[Leaf], layer: int | None) -> list[Part]:
-    """The parts of one (non per-expert) checkpoint tensor that fills ``leaves`` (several: a fused tensor)."""
+    """The parts of one (non per-expert) checkpoint tensor that fills ``leaves`` (several: a fused tensor, split
+    along its out axis: the rows of a matrix or bias, axis 1 of a stacked ``[E, out, in]`` expert tensor)."""
     if len(leaves) == 1:
-        leaf = leaves[0]
-        stacked = leaf.where == MOE and len(leaf.shape) == 3
-        spec = (T3 if stacked else T) if leaf.hf_transposed else ID
-        return [Part(_path(leaf, layer), None, spec)]
+        return [Part(_path(leaves[0], layer), None, ID)]
     parts, lo = [], 0
     for leaf in leaves:
         if leaf.where == MOE and len(leaf.shape) == 3:  # [E, out, in] tensors concatenated along out
-            hi = lo + leaf.shape_for(cfg)[2]
-            assert leaf.hf_transposed, leaf
+            hi = lo + leaf.shape_for(cfg)[1]
             parts.append(Part(_path(leaf, layer), None, ("mid", lo, hi)))
         else:  # [out, in] (or [out]) tensors concatenated along out
-            hi = lo + _hf_rows(cfg, leaf)
-            parts.append(Part(_path(leaf, layer), None, ("rows", lo, hi, leaf.hf_transposed)))
+            hi = lo + leaf.shape_for(cfg)[0]
+            parts.append(Part(_path(leaf, layer), None, ("rows", lo, hi)))
         lo = hi
     return parts
 
@@ -168,7 +162,7 @@ def hf_tensor_parts(cfg: ModelConfig, name: str) -> list[Part] | None:
     for pattern, leaf in index.experts:
         m = pattern.match(suffix)
         if m:
-            return [Part(_path(leaf, i), int(m.group(1)), T if leaf.hf_transposed else ID)]
+            return [Part(_path(leaf, i), int(m.group(1)), ID)]
     return None
 
 
@@ -182,7 +176,7 @@ def _gemma_parts(cfg: ModelConfig, name: str) -> list[Part] | None:
     table = gemma_params.GEMMA
     tied = cfg.tie_word_embeddings
     if name == "lm_head.weight":
-        return [] if tied else [Part(("lm_head",), None, T)]
+        return [] if tied else [Part(("lm_head",), None, ID)]
     if name.startswith(gemma_params.VISION_PREFIXES):
         return None
     for prefix, decoder in ((gemma_params.DECODER_PREFIX, True), (gemma_params.ENCODER_PREFIX, False)):
@@ -195,7 +189,7 @@ def _gemma_parts(cfg: ModelConfig, name: str) -> list[Part] | None:
             if key is None:
                 full = [leaf for leaf in table.leaves if leaf.where == TOP and name in leaf.hf_names(gemma_params.LAYOUT)
                         and leaf.key.startswith("sc_")]
-                return [Part((full[0].key,), None, T if full[0].hf_transposed else ID)] if full and decoder else None
+                return [Part((full[0].key,), None, ID)] if full and decoder else None
             if tied and not decoder:
                 return []
             return [Part(("dec_" + key if decoder and not tied else key,), None, ID)]
@@ -217,9 +211,7 @@ def _gemma_parts(cfg: ModelConfig, name: str) -> list[Part] | None:
         if suffix == "self_attn.v_proj.weight" and not cfg.is_sliding_layer(i):
             raise Unsupported(f"is a v projection but config.json makes layer {i} a full-attention layer (full "
                               f"layers take their values from k_proj; check text_config.layer_types)")
-        leaf = table.leaf((stack, i, rows[0].key), cfg)
-        spec = (T3 if len(leaf.shape) == 3 else T) if leaf.hf_transposed else ID
-        return [Part((stack, i, leaf.key), None, spec)]
+        return [Part((stack, i, rows[0].key), None, ID)]
     return None
 
 
@@ -230,16 +222,30 @@ def expected_hf_shape(cfg: ModelConfig, shapes: Params, parts: list[Part]) -> tu
         leaf = tuple(get_leaf(shapes, part.path))
         if part.expert is not None:
             leaf = leaf[1:]
-        kind = part.convert[0]
-        if kind == "T" or (kind == "rows" and part.convert[3]):
-            leaf = tuple(reversed(leaf))
-        elif kind in ("T3", "mid"):
-            leaf = (leaf[0], leaf[2], leaf[1])
-        out.append(leaf)
+        out.append(stored_shape(part.convert, leaf))
     if len(out) == 1:
         return out[0]
     axis = 1 if parts[0].convert[0] == "mid" else 0  # fused: concatenated along the checkpoint's out axis
     return out[0][:axis] + (sum(s[axis] for s in out),) + out[0][axis + 1:]
+
+
+def stored_shape(spec: tuple, leaf_shape: tuple) -> tuple:
+    """The shape of the array that ``spec`` turns into a leaf (a part's, for fused tensors) of ``leaf_shape``."""
+    if spec[0] == "T":
+        return tuple(reversed(leaf_shape))
+    if spec[0] == "T3":
+        return (leaf_shape[0], leaf_shape[2], leaf_shape[1])
+    return tuple(leaf_shape)
+
+
+def unconvert(spec: tuple, a):
+    """The inverse of :func:`convert` for one part: a leaf back in the stored array's layout (a fused tensor's
+    part; :func:`params_to_hf` and ``read_weight`` concatenate the parts)."""
+    if spec[0] == "T":
+        return a.T
+    if spec[0] == "T3":
+        return a.transpose(0, 2, 1)
+    return a
 
 
 def hf_name_for(cfg: ModelConfig, path: tuple, expert: int | None = None) -> str:
@@ -259,7 +265,8 @@ def hf_name_for(cfg: ModelConfig, path: tuple, expert: int | None = None) -> str
 
 
 def params_to_hf(params: Params, cfg: ModelConfig | None = None) -> dict[str, np.ndarray]:
-    """Our pytree -> checkpoint state dict (numpy, ``[out, in]`` matrices) in the layout of ``cfg``'s family.
+    """Our pytree -> checkpoint state dict (numpy, ``[out, in]`` matrices, as stored) in the layout of ``cfg``'s
+    family.
 
     Without ``cfg`` the Qwen3 layout is written. MoE experts are written one tensor per expert (what
     transformers' ``save_pretrained`` writes); fused tensors (LLaDA2's ``query_key_value``) are fused back.
@@ -267,9 +274,6 @@ def params_to_hf(params: Params, cfg: ModelConfig | None = None) -> dict[str, np
     family = cfg.family if cfg is not None else "qwen3"
     table = param_table(cfg)
     groups: dict[str, list[np.ndarray]] = {}  # name -> its parts, in table order (several: a fused tensor)
-
-    def hf_layout(leaf: Leaf, a: np.ndarray) -> np.ndarray:  # ours -> the checkpoint's [out, in] ([E, out, in])
-        return (a.swapaxes(-1, -2) if a.ndim > 1 else a) if leaf.hf_transposed else a
 
     def walk(tree, layer: int | None, wheres):
         for leaf in table.leaves:
@@ -280,9 +284,9 @@ def params_to_hf(params: Params, cfg: ModelConfig | None = None) -> dict[str, np
             a = np.asarray(tree[leaf.key])
             if "{e}" in name:
                 for e in range(a.shape[0]):
-                    groups.setdefault(prefix + name.replace("{e}", str(e)), []).append(hf_layout(leaf, a[e]))
+                    groups.setdefault(prefix + name.replace("{e}", str(e)), []).append(a[e])
             else:
-                groups.setdefault(prefix + name, []).append(hf_layout(leaf, a))
+                groups.setdefault(prefix + name, []).append(a)
 
     walk(params, None, (TOP,))
     for i, layer in enumerate(params["layers"]):

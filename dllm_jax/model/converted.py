@@ -2,8 +2,10 @@
 Orbax, still read) and Hugging Face directories in a family's published layout (:func:`save_hf`).
 
 A converted directory holds config and tokenizer files (never the source directory's ``.py`` files), ``params/``
-with one tensor per leaf named by its pytree path (``layers.3.moe.gate``) in our layout (``[in, out]`` matrices,
-fused tensors split, a ``norm_head`` head normalised) and dtype, and the marker file naming the format.
+with one tensor per leaf named by its pytree path (``layers.3.moe.gate``) in our layout (matrices ``[out, in]`` as
+in the checkpoints, fused tensors split, a ``norm_head`` head normalised) and dtype, and the marker file naming the
+format and its version. Version 1 (and the Orbax format) stored matrices ``[in, out]``; they still load, their
+matrices transposed on the way in.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dllm_jax.model.tokenizer import TOKENIZER_FILES
 ORBAX_PARAMS_DIR = "params"  # (the name dates from the Orbax format; the safetensors one keeps it)
 ORBAX_MARKER = "dllm_jax_checkpoint.json"
 CONVERTED_FORMAT = "dllm-jax-safetensors"
+CONVERTED_VERSION = 2  # 2: matrices [out, in] (the parameter table's layout); 1: [in, out]
 ORBAX_FORMAT = "orbax-standard"
 CONVERTED_SHARD_BYTES = 2 << 30
 
@@ -43,10 +46,32 @@ def converted_format(model_dir: str) -> str | None:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from e
 
 
+def converted_version(model_dir: str) -> int:
+    """The layout version of a converted directory's tensors (1: matrices ``[in, out]``, the Orbax format too)."""
+    with open(os.path.join(model_dir, ORBAX_MARKER)) as f:
+        return int(json.load(f).get("version", 1))
+
+
+def transpose_v1_matrices(params: Params, cfg: ModelConfig) -> Params:
+    """A version-1 pytree (matrices ``[in, out]``) in the current layout: each matrix leaf's last two axes
+    swapped."""
+    from dllm_jax.model.params import param_table
+
+    table = param_table(cfg)
+
+    def swap(path, x):
+        if not table.leaf(key_path(path), cfg).matrix:
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape[:-2] + (x.shape[-1], x.shape[-2]), x.dtype)
+        return jnp.swapaxes(x, -1, -2)
+    return jax.tree_util.tree_map_with_path(swap, params)
+
+
 def save_converted(model_dir: str, params: Params, out_dir: str, *, max_shard_bytes: int = CONVERTED_SHARD_BYTES,
                    progress: bool = False) -> None:
     """Write ``out_dir``: config and tokenizer files (never the directory's ``.py`` files) plus ``params/``, our
-    pytree in sharded safetensors named by path (``layers.3.q``), in our layout (``[in, out]`` matrices, fused
+    pytree in sharded safetensors named by path (``layers.3.q``), in our layout (``[out, in]`` matrices, fused
     tensors split, a ``norm_head`` head normalised) and dtype. Written one tensor at a time from the device arrays
     (a host copy of one tensor at a time on an accelerator, none on CPU)."""
     from tqdm import tqdm
@@ -69,13 +94,14 @@ def save_converted(model_dir: str, params: Params, out_dir: str, *, max_shard_by
         write_sharded(os.path.join(out_dir, ORBAX_PARAMS_DIR), specs, fill, max_shard_bytes=max_shard_bytes)
     dtypes = sorted({str(x.dtype) for x in leaves.values()})
     with open(os.path.join(out_dir, ORBAX_MARKER), "w") as f:
-        json.dump({"format": CONVERTED_FORMAT, "version": 1, "dtypes": dtypes, "source": os.path.abspath(model_dir)},
-                  f)
+        json.dump({"format": CONVERTED_FORMAT, "version": CONVERTED_VERSION, "dtypes": dtypes,
+                   "source": os.path.abspath(model_dir)}, f)
 
 
 def save_orbax(model_dir: str, params: Params, out_dir: str) -> None:
     """Write ``out_dir`` with the parameters as Orbax plus config and tokenizer files (the former ``convert``
-    output; :func:`save_converted` replaced it, and directories written by this still load)."""
+    output; :func:`save_converted` replaced it, and directories written by this still load). Matrices are written
+    ``[in, out]``, as that format always stored them."""
     import orbax.checkpoint as ocp
 
     out_dir = os.path.abspath(out_dir)
@@ -88,6 +114,8 @@ def save_orbax(model_dir: str, params: Params, out_dir: str) -> None:
     # 1 GB of host copies in flight, so the save adds a bounded amount to the converted model's memory.
     ckpt = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(save_concurrent_gb=1, restore_concurrent_gb=1,
                                                         use_compression=False))
+    cfg = ModelConfig.from_model_dir(model_dir)
+    params = transpose_v1_matrices(params, cfg)  # (its own inverse)
     try:
         ckpt.save(os.path.join(out_dir, ORBAX_PARAMS_DIR), args=ocp.args.PyTreeSave(params), force=True)
     finally:
@@ -105,7 +133,7 @@ def load_orbax_params(model_dir: str, cfg: ModelConfig, dtype) -> Params:
         stored = json.load(f).get("dtypes", ["float32"])
     # Routing leaves are always float32 (the table's dtype rule); the others share one stored dtype.
     stored_dtype = jnp.bfloat16 if "bfloat16" in stored else jnp.dtype(stored[0]) if len(stored) == 1 else jnp.float32
-    abstract = abstract_params(cfg, stored_dtype)
+    abstract = transpose_v1_matrices(abstract_params(cfg, stored_dtype), cfg)  # [in, out] as stored
     ckpt = ocp.StandardCheckpointer(restore_concurrent_gb=1)  # host copies in flight: ~1 GB, not the model
     try:
         params = ckpt.restore(path, abstract)
@@ -113,6 +141,7 @@ def load_orbax_params(model_dir: str, cfg: ModelConfig, dtype) -> Params:
         raise CheckpointError(f"{path}: cannot restore Orbax checkpoint ({e})") from e
     finally:
         ckpt.close()
+    params = transpose_v1_matrices(params, cfg)
     return jax.tree.map(lambda x, d: jnp.asarray(x, d), params, param_dtypes(cfg, dtype))
 
 

@@ -36,9 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.model.moe import grouped_experts, linear
+from dllm_jax.model.moe import contract, grouped_experts, linear
 from dllm_jax.model.params import Params
-from dllm_jax.model.qwen3 import kv_to_storage, kv_values
+from dllm_jax.model.qwen3 import embed_tokens, kv_to_storage, kv_values
 
 SLIDING_KIND, FULL_KIND = "sliding", "full"  # page-table keys
 
@@ -171,7 +171,7 @@ def _feed_forward(layer, x, cfg: ModelConfig, layer_scalar):
 
 
 def _embed(table, tokens, cfg: ModelConfig):
-    return table[tokens] * jnp.asarray(cfg.hidden_size ** 0.5, table.dtype)
+    return embed_tokens(table, tokens) * jnp.asarray(cfg.hidden_size ** 0.5, table.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -260,7 +260,8 @@ def soft_embedding(params: Params, cfg: ModelConfig, logits):
     probabilities cast to the embedding's dtype first, as transformers)."""
     embed = decoder_weights(params, cfg)[0]
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(embed.dtype)
-    return linear(probs, embed) * jnp.asarray(cfg.hidden_size ** 0.5, embed.dtype)
+    soft = jnp.dot(probs, embed, preferred_element_type=jnp.float32).astype(probs.dtype)  # probs [.., V] @ [V, H]
+    return soft * jnp.asarray(cfg.hidden_size ** 0.5, embed.dtype)
 
 
 def decode_canvas(params: Params, cfg: ModelConfig, canvas, prefix_len, kv_pages, page_tables, self_conditioning=None):
@@ -295,13 +296,8 @@ def decode_canvas(params: Params, cfg: ModelConfig, canvas, prefix_len, kv_pages
 
 
 def logits(params: Params, cfg: ModelConfig, hidden):
-    """Soft-capped float32 logits ``[..., V]`` (the tied head contracts the decoder embedding ``[V, H]``)."""
-    if "lm_head" in params:
-        out = jnp.dot(hidden, params["lm_head"], preferred_element_type=jnp.float32)
-    else:
-        embed = decoder_weights(params, cfg)[0]
-        out = jax.lax.dot_general(hidden, embed, (((hidden.ndim - 1,), (1,)), ((), ())),
-                                  preferred_element_type=jnp.float32)
+    """Soft-capped float32 logits ``[..., V]`` (the ``[V, H]`` head, or the tied decoder embedding, as stored)."""
+    out = contract(hidden, params["lm_head"] if "lm_head" in params else decoder_weights(params, cfg)[0])
     cap = cfg.final_logit_softcapping
     return out if cap is None else cap * jnp.tanh(out / cap)
 

@@ -24,8 +24,8 @@ from typing import Any
 import jax.numpy as jnp
 
 from dllm_jax.config import ConfigError, ModelConfig
-from dllm_jax.model.converted import CONVERTED_FORMAT, ORBAX_PARAMS_DIR, converted_format, load_orbax_params, \
-    save_converted
+from dllm_jax.model.converted import CONVERTED_FORMAT, ORBAX_PARAMS_DIR, converted_format, converted_version, \
+    load_orbax_params, save_converted
 from dllm_jax.model.errors import CheckpointError
 from dllm_jax.model.family import family_of
 from dllm_jax.model.generation import generation_eos
@@ -85,7 +85,7 @@ def load_model(model_dir: str, *, dtype="float32", block_size=None, mask_token_i
     fmt = converted_format(model_dir)
     if fmt == CONVERTED_FORMAT:
         params = load_safetensors_params(os.path.join(model_dir, ORBAX_PARAMS_DIR), cfg, jdtype, progress=progress,
-                                         ours=True)
+                                         ours=True, ours_version=converted_version(model_dir))
     elif fmt is not None:
         params = load_orbax_params(model_dir, cfg, jdtype)
     else:
@@ -94,9 +94,10 @@ def load_model(model_dir: str, *, dtype="float32", block_size=None, mask_token_i
 
 
 def convert_checkpoint(hf_dir: str, out_dir: str, *, dtype="float32", progress: bool = False) -> None:
-    """``dllm-jax convert``: HF safetensors directory -> a directory in our layout (matrices already ``[in, out]``,
-    fused tensors split, in ``dtype``; see :func:`save_converted`), which loads with no conversion at all: every
-    tensor is copied as stored, so a load costs about a read of its bytes. Both halves stream one tensor at a time
+    """``dllm-jax convert``: HF safetensors directory -> a directory in our layout (one tensor per leaf, fused
+    tensors split, a ``norm_head`` head normalised, in ``dtype``; see :func:`save_converted`), which loads with no
+    conversion at all: every tensor is copied as stored, so a load costs about a read of its bytes (a checkpoint already
+    in ``dtype`` loads as fast: its matrices are stored as we store them). Both halves stream one tensor at a time
     (memory-mapped in, written out), so peak memory is about the model's size in ``dtype``."""
     cfg = ModelConfig.from_model_dir(hf_dir)
     params = load_safetensors_params(hf_dir, cfg, jnp.dtype(dtype), progress=progress)

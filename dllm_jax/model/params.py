@@ -12,8 +12,13 @@ they share one pytree and one table, :data:`DECODER`. A row (:class:`Leaf`) says
   ``"llada2"`` (LLaDA2 / Bailing). Layer names are relative to ``model.layers.{i}.``; ``{e}`` is an expert index
   (one tensor per expert, stacked here on the leading axis). Leaves that share a name are one fused tensor, split
   in table order (LLaDA2's ``query_key_value``; transformers 5's ``gate_up_proj``). The first name is the one
-  written; the others are also read. ``hf_transposed``: the checkpoint stores the matrix ``[out, in]`` (each
-  expert's matrix, for stacked leaves) and we store ``[in, out]``, so the loader transposes it once.
+  written; the others are also read.
+
+Projection matrices (``matrix=True``) are stored as the checkpoints store them, ``[out, in]`` (stacked experts
+``[E, out, in]``; the LM head ``[V, H]`` like the embedding), and the forward contracts their last axis
+(:func:`dllm_jax.model.moe.linear`): XLA:GPU / cuBLAS and XLA:CPU take that operand order without a copy (on CPU it
+measured as fast or faster than ``[in, out]``, bench/RESULTS.md), so loading a checkpoint is a copy of each tensor,
+never a transpose. A fused checkpoint tensor is split by rows (its out axis), which is a copy too.
 
 Everything else derives from these rows: :func:`param_shapes`, :func:`param_dtypes`, :func:`init_params` and
 :func:`abstract_params` (what ``jax.eval_shape`` of the initialiser gives, without tracing it), the sharding axes
@@ -64,7 +69,7 @@ class Leaf:
     axes: tuple[str, ...]  # logical axes (dllm_jax.sharding.RULES)
     init: str  # "ones" | "zeros" | "normal" (init_params)
     names: dict[str, tuple[str, ...]]  # family -> checkpoint names (first: the one written)
-    hf_transposed: bool = False  # the checkpoint stores [out, in]
+    matrix: bool = False  # a projection matrix, stored [out, in] ([E, out, in]) as the checkpoints store it
     present: Callable[[ModelConfig], bool] | None = None  # None: always
     float32: Callable[[ModelConfig], bool] | None = None  # kept float32 whatever the model dtype (None: never)
 
@@ -105,19 +110,19 @@ DECODER_LEAVES: tuple[Leaf, ...] = (
           {"qwen3": "model.embed_tokens.weight", "llada2": "model.word_embeddings.weight"}),
     _leaf("final_norm",  TOP,   "H",     ("hidden",),                           "ones",
           "model.norm.weight"),
-    _leaf("lm_head",     TOP,   "H V",   ("hidden", "vocab"),                   "normal",
-          "lm_head.weight", hf_transposed=True,
+    _leaf("lm_head",     TOP,   "V H",   ("vocab", "hidden"),                   "normal",
+          "lm_head.weight", matrix=True,
           present=lambda c: not c.tie_word_embeddings),  # tied: the embedding serves (a stray head is ignored)
     _leaf("attn_norm",   LAYER, "H",     ("hidden",),                           "ones",
           "input_layernorm.weight"),
-    _leaf("q",           LAYER, "H Q",   ("hidden", "q_heads"),                 "normal",
-          {"qwen3": "self_attn.q_proj.weight", "llada2": _QKV}, hf_transposed=True),
-    _leaf("k",           LAYER, "H KV",  ("hidden", "kv_heads"),                "normal",
-          {"qwen3": "self_attn.k_proj.weight", "llada2": _QKV}, hf_transposed=True),
-    _leaf("v",           LAYER, "H KV",  ("hidden", "kv_heads"),                "normal",
-          {"qwen3": "self_attn.v_proj.weight", "llada2": _QKV}, hf_transposed=True),
-    _leaf("o",           LAYER, "Q H",   ("q_heads", "hidden"),                 "normal",
-          {"qwen3": "self_attn.o_proj.weight", "llada2": "attention.dense.weight"}, hf_transposed=True),
+    _leaf("q",           LAYER, "Q H",   ("q_heads", "hidden"),                 "normal",
+          {"qwen3": "self_attn.q_proj.weight", "llada2": _QKV}, matrix=True),
+    _leaf("k",           LAYER, "KV H",  ("kv_heads", "hidden"),                "normal",
+          {"qwen3": "self_attn.k_proj.weight", "llada2": _QKV}, matrix=True),
+    _leaf("v",           LAYER, "KV H",  ("kv_heads", "hidden"),                "normal",
+          {"qwen3": "self_attn.v_proj.weight", "llada2": _QKV}, matrix=True),
+    _leaf("o",           LAYER, "H Q",   ("hidden", "q_heads"),                 "normal",
+          {"qwen3": "self_attn.o_proj.weight", "llada2": "attention.dense.weight"}, matrix=True),
     _leaf("q_bias",      LAYER, "Q",     ("q_heads",),                          "zeros",
           {"qwen3": "self_attn.q_proj.bias", "llada2": _QKV_BIAS},
           present=lambda c: c.attention_bias),
@@ -138,39 +143,40 @@ DECODER_LEAVES: tuple[Leaf, ...] = (
           present=lambda c: c.use_qk_norm),
     _leaf("mlp_norm",    LAYER, "H",     ("hidden",),                           "ones",
           "post_attention_layernorm.weight"),
-    _leaf("gate",        DENSE, "H I",   ("hidden", "mlp"),                     "normal",
-          "mlp.gate_proj.weight", hf_transposed=True),
-    _leaf("up",          DENSE, "H I",   ("hidden", "mlp"),                     "normal",
-          "mlp.up_proj.weight", hf_transposed=True),
-    _leaf("down",        DENSE, "I H",   ("mlp", "hidden"),                     "normal",
-          "mlp.down_proj.weight", hf_transposed=True),
-    _leaf("router",      MOE,   "H E",   ("hidden", "router"),                  "normal",
-          "mlp.gate.weight", hf_transposed=True,
+    _leaf("gate",        DENSE, "I H",   ("mlp", "hidden"),                     "normal",
+          "mlp.gate_proj.weight", matrix=True),
+    _leaf("up",          DENSE, "I H",   ("mlp", "hidden"),                     "normal",
+          "mlp.up_proj.weight", matrix=True),
+    _leaf("down",        DENSE, "H I",   ("hidden", "mlp"),                     "normal",
+          "mlp.down_proj.weight", matrix=True),
+    _leaf("router",      MOE,   "E H",   ("router", "hidden"),                  "normal",
+          "mlp.gate.weight", matrix=True,
           float32=lambda c: c.router_fp32),  # an fp32-router checkpoint: weights and logits in float32
     _leaf("expert_bias", MOE,   "E",     ("router",),                           "zeros",
           "mlp.gate.expert_bias",
           present=lambda c: c.moe_expert_bias,
           float32=lambda c: True),  # it decides WHICH experts: a bf16 bias would flip near ties
-    # Experts stacked [E, in, out] (an ``expert`` mesh axis splits the leading axis); one tensor per expert in
-    # the checkpoints, or (transformers >= 5, Qwen3-MoE) 3D [E, out, in] tensors with gate and up concatenated.
-    _leaf("gate",        MOE,   "E H M", ("experts", "hidden", "expert_mlp"),   "normal",
+    # Experts stacked [E, out, in] (an ``expert`` mesh axis splits the leading axis); one tensor per expert in
+    # the checkpoints (each copied into its row), or (transformers >= 5, Qwen3-MoE) 3D [E, out, in] tensors with
+    # gate and up concatenated along out.
+    _leaf("gate",        MOE,   "E M H", ("experts", "expert_mlp", "hidden"),   "normal",
           {"qwen3": (_EXPERT % "gate", _GATE_UP, _GATE_UP + ".weight"), "llada2": _EXPERT % "gate"},
-          hf_transposed=True),
-    _leaf("up",          MOE,   "E H M", ("experts", "hidden", "expert_mlp"),   "normal",
+          matrix=True),
+    _leaf("up",          MOE,   "E M H", ("experts", "expert_mlp", "hidden"),   "normal",
           {"qwen3": (_EXPERT % "up", _GATE_UP, _GATE_UP + ".weight"), "llada2": _EXPERT % "up"},
-          hf_transposed=True),
-    _leaf("down",        MOE,   "E M H", ("experts", "expert_mlp", "hidden"),   "normal",
+          matrix=True),
+    _leaf("down",        MOE,   "E H M", ("experts", "hidden", "expert_mlp"),   "normal",
           {"qwen3": (_EXPERT % "down", _DOWN3, _DOWN3 + ".weight"), "llada2": _EXPERT % "down"},
-          hf_transposed=True),
+          matrix=True),
     # Shared experts (all of them fused as one SwiGLU, added unscaled).
-    _leaf("shared_gate", MOE,   "H S",   ("hidden", "mlp"),                     "normal",
-          "mlp.shared_experts.gate_proj.weight", hf_transposed=True,
+    _leaf("shared_gate", MOE,   "S H",   ("mlp", "hidden"),                     "normal",
+          "mlp.shared_experts.gate_proj.weight", matrix=True,
           present=lambda c: c.num_shared_experts > 0),
-    _leaf("shared_up",   MOE,   "H S",   ("hidden", "mlp"),                     "normal",
-          "mlp.shared_experts.up_proj.weight", hf_transposed=True,
+    _leaf("shared_up",   MOE,   "S H",   ("mlp", "hidden"),                     "normal",
+          "mlp.shared_experts.up_proj.weight", matrix=True,
           present=lambda c: c.num_shared_experts > 0),
-    _leaf("shared_down", MOE,   "S H",   ("mlp", "hidden"),                     "normal",
-          "mlp.shared_experts.down_proj.weight", hf_transposed=True,
+    _leaf("shared_down", MOE,   "H S",   ("hidden", "mlp"),                     "normal",
+          "mlp.shared_experts.down_proj.weight", matrix=True,
           present=lambda c: c.num_shared_experts > 0),
 )
 
@@ -277,7 +283,9 @@ def abstract_params(cfg: ModelConfig, dtype) -> Params:
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
-    """Random parameters (norm weights one, biases zero, matrices N(0, std)); one key per leaf, in pytree order."""
+    """Random parameters (norm weights one, biases zero, matrices N(0, std)); one key per leaf, in pytree order.
+    Matrices are drawn in the ``[in, out]`` orientation and transposed, so a seed gives the same model as before
+    matrices were stored ``[out, in]``."""
     rows = param_table(cfg).tree(cfg, lambda leaf: leaf)
     flat, treedef = jax.tree_util.tree_flatten(rows, is_leaf=lambda x: isinstance(x, Leaf))
     keys = jax.random.split(key, len(flat))
@@ -288,6 +296,9 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float 
             out.append(jnp.ones(shape, leaf_type))
         elif leaf.init == "zeros":
             out.append(jnp.zeros(shape, leaf_type))
+        elif leaf.matrix:  # drawn [in, out] and transposed: a seed gives the model it gave before the layout change
+            drawn = jax.random.normal(k, shape[:-2] + (shape[-1], shape[-2]), jnp.float32)
+            out.append((std * jnp.swapaxes(drawn, -1, -2)).astype(leaf_type))
         else:
             out.append((std * jax.random.normal(k, shape, jnp.float32)).astype(leaf_type))
     return jax.tree.unflatten(treedef, out)

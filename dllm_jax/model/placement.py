@@ -1,5 +1,6 @@
 """Streaming a checkpoint's tensors into device arrays: each tensor planned (which leaf, which conversion), read
-from the memory-mapped file, converted on the device (transpose, split, cast) and placed with its sharding.
+from the memory-mapped file, copied (the leaf's bytes are the checkpoint's: matrices are stored ``[out, in]`` as the
+checkpoints store them, a fused tensor is split by rows) or cast on the device, and placed with its sharding.
 
 The plan of a checkpoint tensor comes from :mod:`dllm_jax.model.checkpoint_names` (published layouts) or from the
 pytree path it is named by (a ``dllm-jax convert`` output). Peak memory is the model plus a few tensors in flight.
@@ -19,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.model.checkpoint_names import (CHUNKABLE, ID, Part, Unsupported, convert, expected_hf_shape,
-                                             hf_name_for, hf_tensor_parts)
-from dllm_jax.model.converted import ORBAX_MARKER, ORBAX_PARAMS_DIR
+from dllm_jax.model.checkpoint_names import (CHUNKABLE, COPIES, ID, T, T3, Part, Unsupported, convert,
+                                             expected_hf_shape, hf_name_for, hf_tensor_parts, stored_shape)
+from dllm_jax.model.converted import CONVERTED_VERSION, ORBAX_MARKER, ORBAX_PARAMS_DIR
 from dllm_jax.model.errors import CheckpointError
 from dllm_jax.model.params import (Params, axes_key, get_leaf, has_leaf, key_path, name_path, param_dtypes,
                                    param_shapes, param_table, path_name, set_leaf)
@@ -42,9 +43,10 @@ def _owned(view: np.ndarray) -> np.ndarray:
     """What to hand XLA:CPU for an array on the mapped file so that the device array is a copy, made once.
 
     XLA:CPU adopts a 64-byte aligned host array as is (``device_put``'s ``may_alias=False`` does not stop it) and
-    copies any other. An unaligned view is therefore passed as it is (XLA copies it); an aligned one is first copied
-    into page-aligned anonymous memory, which XLA then adopts. Either way: one copy, none of the file aliased."""
-    if view.ctypes.data % 64:
+    copies any other. An unaligned contiguous view is therefore passed as it is (XLA copies it); an aligned one, or a
+    strided one (a slice of a fused tensor's middle axis), is first copied into page-aligned anonymous memory, which
+    XLA then adopts. Either way: one copy, none of the file aliased."""
+    if view.ctypes.data % 64 and view.flags.c_contiguous:
         return view
     m = mmap.mmap(-1, max(view.nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     out = np.frombuffer(m, view.dtype, view.size).reshape(view.shape)
@@ -82,11 +84,11 @@ def _zeros_fn(shape: tuple, dtype, sharding):
 
 @functools.partial(jax.jit, static_argnums=1)
 def _normalize_head_device(lm_head, dtype):
-    """``norm_head``: each hidden unit's vocabulary vector of our ``[H, V]`` head L2-normalised (HF's
+    """``norm_head``: each hidden unit's vocabulary vector of the ``[V, H]`` head L2-normalised (HF's
     ``F.normalize(lm_head.weight [V, H], dim=0, eps=1e-7)``, as SGLang / Bailing apply it at load); float32 in,
     ``dtype`` out."""
     a = lm_head.astype(jnp.float32)
-    return (a / jnp.maximum(jnp.linalg.norm(a, axis=1, keepdims=True), NORM_HEAD_EPS)).astype(dtype)
+    return (a / jnp.maximum(jnp.linalg.norm(a, axis=0, keepdims=True), NORM_HEAD_EPS)).astype(dtype)
 
 
 @dataclasses.dataclass
@@ -97,7 +99,7 @@ class _Job:
     info: TensorInfo
     parts: list  # the _Parts this tensor fills
     targets: list  # their storage dtypes
-    mode: str  # "whole" (used as stored: copied) | "convert" | "chunk" | "expert" (converted on the device)
+    mode: str  # "whole" (each part a slice of it, copied) | "convert" | "chunk" | "expert" (on the device)
     first_row: int = 0
     rows: int | None = None  # None: all of it
     last: bool = True  # the tensor's last chunk
@@ -123,12 +125,14 @@ class _Job:
 class _Placer:
     """Turns jobs' mapped host arrays into device arrays of the target dtype (and sharding).
 
-    * A tensor stored as the model uses it (same layout and dtype) is copied from the mapping into its device
-      buffer, never aliasing the file (XLA:CPU would adopt a 64-byte aligned mapping as is): a checkpoint rewritten
-      while the engine runs must not change or crash it.
-    * A tensor that needs a conversion (transpose ``[out, in] -> [in, out]``, a split of a fused tensor, a dtype
-      cast) is converted on the device by a jitted function reading the mapping; above ``CHUNK_BYTES`` it goes in
-      chunks of rows written into a donated output, so the extra memory is a chunk.
+    * A tensor in the model's dtype (every tensor of a checkpoint loaded in its own dtype: matrices are stored as
+      the checkpoint stores them) is copied from the mapping into its device buffer, each part of a fused tensor
+      (LLaDA2's ``query_key_value``, a 3D ``gate_up_proj``) from its slice, never aliasing the file (XLA:CPU would
+      adopt a 64-byte aligned mapping as is): a checkpoint rewritten while the engine runs must not change or
+      crash it.
+    * A tensor that needs a cast (or, from a converted directory of format version 1, a transpose) is converted on
+      the device by a jitted function reading the mapping; above ``CHUNK_BYTES`` it goes in chunks of rows written
+      into a donated output, so the extra memory is a chunk.
     * Expert matrices are written into their stacked ``[E, ...]`` leaf in place (donated updates).
     Each job's mapped range is released from the process once its device work is done, so peak memory is the
     model plus the few tensors in flight.
@@ -157,14 +161,14 @@ class _Placer:
     def place(self, job: _Job, shapes: Params, params: Params) -> None:
         host = job.view()
         outputs = []
-        if job.mode == "whole":
-            part = job.parts[0]
-            sharding = self.sharding(part.path, job.info.shape)
+        for part in job.parts if job.mode == "whole" else ():
+            view = convert(part.convert, host)  # the tensor, or the part's slice of a fused one (a view)
+            sharding = self.sharding(part.path, view.shape)
             if self.host_platform:  # one copy out of the mapped file, never an alias of it
-                out = jax.device_put(_owned(host))
+                out = jax.device_put(_owned(view))
                 out = out if sharding is None else jax.device_put(out, sharding)
             else:
-                out = jax.device_put(host, sharding)
+                out = jax.device_put(np.ascontiguousarray(view), sharding)
             set_leaf(params, part.path, out)
             outputs.append(out)
         for part, target in zip(job.parts, job.targets) if job.mode != "whole" else ():
@@ -211,13 +215,14 @@ class _Placer:
 
 
 def load_safetensors_params(model_dir: str, cfg: ModelConfig, dtype, *, progress: bool = False,
-                            mesh=None, ours: bool = False) -> Params:
+                            mesh=None, ours: bool = False, ours_version: int = CONVERTED_VERSION) -> Params:
     """Stream the checkpoint's tensors into device arrays of ``dtype`` (routing leaves: float32, see the table).
 
     Shards are memory-mapped and read one tensor at a time (see :class:`_Placer`): no float32 host copy, no second
     copy of the model; the process's peak memory is the model plus a few tensors. With ``mesh`` each leaf is
     placed with its :mod:`dllm_jax.sharding` layout as it is loaded. ``progress`` shows a bar (bytes read).
-    ``ours``: the shards of a converted directory (``dllm-jax convert``), named and laid out as our pytree.
+    ``ours``: the shards of a converted directory (``dllm-jax convert``), named and laid out as our pytree (format
+    ``ours_version``: :func:`dllm_jax.model.converted.converted_version`).
     """
     from tqdm import tqdm
 
@@ -231,7 +236,7 @@ def load_safetensors_params(model_dir: str, cfg: ModelConfig, dtype, *, progress
                               f"'{ORBAX_PARAMS_DIR}/' with its {ORBAX_MARKER})")
     files = [SafetensorsFile(path) for path in paths]  # every header first: fail early
     try:
-        plan = _plan_ours if ours else _plan
+        plan = functools.partial(_plan_ours, version=ours_version) if ours else _plan
         jobs = [job for st in files for name, info in st.tensors.items()
                 for job in plan(st, name, info, cfg, shapes, dtypes)]
         _log_skipped_vision(files, cfg)
@@ -300,23 +305,28 @@ def _plan(st: SafetensorsFile, name: str, info: TensorInfo, cfg: ModelConfig, sh
 
 
 def _plan_ours(st: SafetensorsFile, name: str, info: TensorInfo, cfg: ModelConfig, shapes: Params,
-               dtypes: Params) -> list[_Job]:
+               dtypes: Params, version: int = CONVERTED_VERSION) -> list[_Job]:
     """Jobs for a tensor of a converted directory: named by its pytree path (``layers.3.moe.gate``), stored in our
-    layout, so it is used as stored (a dtype cast at most)."""
+    layout, so it is used as stored (a dtype cast at most). ``version`` 1 directories stored matrices ``[in, out]``:
+    those are transposed on the way in."""
     path = name_path(name)
     if not has_leaf(shapes, path) or not isinstance(get_leaf(shapes, path), tuple):
         raise CheckpointError(f"{st.path}: tensor '{name}' is not a parameter of the model config.json describes")
-    expected = tuple(get_leaf(shapes, path))
+    spec = ID
+    if version < 2 and param_table(cfg).leaf(path, cfg).matrix:
+        spec = T3 if len(get_leaf(shapes, path)) == 3 else T
+    expected = stored_shape(spec, tuple(get_leaf(shapes, path)))
     if info.shape != expected:
         raise CheckpointError(f"{st.path}: tensor '{name}' has shape {info.shape}, expected {expected} from "
                               f"config.json")
-    return _jobs(st, name, info, [Part(path, None, ID)], [jnp.dtype(get_leaf(dtypes, path))])
+    return _jobs(st, name, info, [Part(path, None, spec)], [jnp.dtype(get_leaf(dtypes, path))])
 
 
 def _jobs(st: SafetensorsFile, name: str, info: TensorInfo, parts: list[Part], targets: list) -> list[_Job]:
-    """A tensor used as stored is copied whole; one that needs a conversion is converted whole, or above
-    ``CHUNK_BYTES`` in chunks of rows (when every part's conversion acts row by row)."""
-    if len(parts) == 1 and parts[0].convert == ID and info.dtype == targets[0]:
+    """A tensor in its leaves' dtype is copied (a fused one part by part, each from its slice); one that needs a
+    conversion is converted whole, or above ``CHUNK_BYTES`` in chunks of rows (when every part's conversion acts row
+    by row)."""
+    if all(p.convert[0] in COPIES for p in parts) and all(info.dtype == t for t in targets):
         return [_Job(st, name, info, parts, targets, "whole")]
     rows = info.shape[0] if info.shape else 1
     if info.nbytes <= CHUNK_BYTES or rows < 2 or any(p.convert[0] not in CHUNKABLE for p in parts):

@@ -5,7 +5,8 @@ q/k norm on or off, output-projection bias) and a layer whose pytree has an ``mo
 MLP of :mod:`dllm_jax.model.moe` instead of the dense SwiGLU.
 
 Parameters are a plain dict pytree described by :mod:`dllm_jax.model.params` (one table: shapes, sharding axes,
-dtypes, checkpoint names); matrices are stored ``[in, out]`` (HF stores ``[out, in]``; the loader transposes once).
+dtypes, checkpoint names); matrices are stored ``[out, in]`` as the checkpoints store them (the LM head ``[V, H]``
+like the embedding) and contracted on their last axis (:func:`dllm_jax.model.moe.linear`), so loading copies them.
 Layers are a list of dicts so that each layer's weights and KV pages are separate buffers (clean donation, simple
 sharding).
 
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.model.moe import linear, moe_mlp, swiglu
+from dllm_jax.model.moe import contract, linear, moe_mlp, swiglu
 from dllm_jax.model.params import Params
 
 
@@ -99,13 +100,25 @@ def _mlp(layer, x, cfg: ModelConfig):
     return swiglu(h, layer["gate"], layer["up"], layer["down"])
 
 
+def lm_head(params: Params):
+    """The LM head ``[V, H]``: the untied head as the checkpoint stores it, or the tied embedding."""
+    return params["lm_head"] if "lm_head" in params else params["embed"]
+
+
+def embed_tokens(embed, tokens):
+    """The embedding rows of ``tokens``. XLA:CPU gathers from a bfloat16 table through a float32 conversion of the
+    table; inside the device loop of a denoise call it hoisted that loop-invariant conversion out of the loop, a
+    float32 copy of the whole embedding made on every call (1.16 GiB at the SDAR-1.7B shape, and its time). Passing
+    the table through an optimization barrier together with the (loop-varying) tokens makes it loop-varying to XLA,
+    so the conversion stays fused into the gather (the rows only). The barrier is free: it moves no data."""
+    table, tokens = jax.lax.optimization_barrier((embed, tokens))
+    return table[tokens]
+
+
 def logits_from_hidden(params: Params, hidden):
-    """float32 logits ``[..., V]``. A tied head contracts the stored ``[V, H]`` embedding directly: writing
-    ``embed.T`` makes XLA:CPU copy the embedding in bf16 on every call (measured 13x slower at the 1.7B shape)."""
-    if "lm_head" in params:
-        return jnp.dot(hidden, params["lm_head"], preferred_element_type=jnp.float32)
-    return jax.lax.dot_general(hidden, params["embed"], (((hidden.ndim - 1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
+    """float32 logits ``[..., V]``: the ``[V, H]`` head contracted as stored (writing ``embed.T`` makes XLA:CPU copy
+    the embedding in bf16 on every call, measured 13x slower at the 1.7B shape)."""
+    return contract(hidden, lm_head(params))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,7 +222,7 @@ def forward_chunk_kv(params: Params, cfg: ModelConfig, tokens, kv_pages, page_ta
     stops here, having written exactly the K/V of the full forward (the same computation)."""
     num_rows, chunk_len = tokens.shape
     positions = prefix_len[:, None] + jnp.arange(chunk_len, dtype=prefix_len.dtype)[None, :]
-    x = params["embed"][tokens]
+    x = embed_tokens(params["embed"], tokens)
     flat_pages = write_pages.reshape(-1)
     kv_fn, rest_fn = _layer_fns(cfg, num_rows, chunk_len, block_size, attention_fn)
     new_pages = []

@@ -10,7 +10,8 @@ an argument, take the new buffers without compiling.
 
 Names: a checkpoint name of the model's family (``model.layers.0.self_attn.q_proj.weight``, LLaDA2's fused
 ``query_key_value``, one tensor per expert; :func:`~dllm_jax.model.checkpoint_names.hf_tensor_parts`) or our pytree
-path (``layers.0.q``, ``embed``; :func:`~dllm_jax.model.params.path_name`), stored as we store it.
+path (``layers.0.q``, ``embed``; :func:`~dllm_jax.model.params.path_name`), stored as we store it: the same array
+as the checkpoint's for every unfused tensor (matrices are ``[out, in]`` in both).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import functools
 import json
 import os
 from typing import Any
@@ -27,8 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.model.checkpoint_names import ID, Part, Unsupported, expected_hf_shape, hf_tensor_parts
-from dllm_jax.model.converted import CONVERTED_FORMAT, ORBAX_PARAMS_DIR, converted_format
+from dllm_jax.model.checkpoint_names import (COPIES, ID, Part, Unsupported, convert, expected_hf_shape,
+                                             hf_tensor_parts, unconvert)
+from dllm_jax.model.converted import CONVERTED_FORMAT, ORBAX_PARAMS_DIR, converted_format, converted_version
 from dllm_jax.model.params import (Params, get_leaf, has_leaf, name_path, param_shapes, param_table, path_name,
                                    set_leaf)
 from dllm_jax.model.placement import (_check_complete, _convert_fn, _normalize_head_device, _owned, _plan, _plan_ours,
@@ -157,9 +160,10 @@ def apply_tensors(cfg: ModelConfig, params: Params, planned: list[Planned]) -> i
             placement = _Placement.of(old)
             if part.expert is not None:  # row e of the stacked leaf, written in place (the old stack is donated)
                 new = _set_expert_fn(part.convert)(old, value, jnp.int32(part.expert))
-            elif part.convert == ID and value.dtype == target:  # a copy of its own: the caller may reuse its array
-                new = jnp.copy(value) if isinstance(value, jax.Array) else jax.device_put(_owned(value) if host
-                                                                                          else value)
+            elif part.convert[0] in COPIES and value.dtype == target:  # a copy of its own (the caller may reuse
+                view = convert(part.convert, value)                        # its array): of the part's slice
+                new = jnp.copy(view) if isinstance(view, jax.Array) else jax.device_put(
+                    _owned(view) if host else np.ascontiguousarray(view))
             else:
                 new = _convert_fn(part.convert, jnp.dtype(jnp.float32) if _norm_head(cfg, part, t.ours)
                                   else target)(value)
@@ -237,7 +241,7 @@ def plan_directory(cfg: ModelConfig, params: Params, model_dir: str) -> Director
     try:
         shapes = param_shapes(cfg)
         dtypes = jax.tree.map(lambda x: x.dtype, params)
-        plan = _plan_ours if ours else _plan
+        plan = functools.partial(_plan_ours, version=converted_version(model_dir)) if ours else _plan
         jobs = [job for st in files for name, info in st.tensors.items()
                 for job in plan(st, name, info, cfg, shapes, dtypes)]
         covered = param_table(cfg).empty(cfg)
@@ -337,13 +341,7 @@ def read_weight(cfg: ModelConfig, params: Params, name: str, truncate_size: int 
     pieces = []
     for part in parts:
         a = np.asarray(get_leaf(params, part.path))
-        a = a[part.expert] if part.expert is not None else a
-        kind = part.convert[0]
-        if kind == "T" or (kind == "rows" and part.convert[3]):
-            a = a.T
-        elif kind in ("T3", "mid"):
-            a = a.transpose(0, 2, 1)
-        pieces.append(a)
+        pieces.append(unconvert(part.convert, a[part.expert] if part.expert is not None else a))
     a = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=1 if parts[0].convert[0] == "mid" else 0)
     return np.array(a if truncate_size is None else a[:truncate_size], dtype=np.float32)
 
