@@ -74,7 +74,7 @@ def test_loaded_leaves_are_the_checkpoint_bytes(tmp_path, layout, dims):
 def test_matrix_leaves_are_out_in_with_tp_axes_to_match():
     """The table's matrices are [out, in]: q / k / v / gate / up split their first axis over TP, o / down their
     second (the same logical axes as before, in the checkpoint's order)."""
-    cfg = published_cfg()
+    cfg = _untied_cfg()
     table = param_table(cfg)
     rows = {leaf.key: leaf for leaf in table.leaves if leaf.where in ("layer", "dense", "top")}
     assert rows["q"].axes == ("q_heads", "hidden") and rows["o"].axes == ("hidden", "q_heads")
@@ -84,7 +84,7 @@ def test_matrix_leaves_are_out_in_with_tp_axes_to_match():
     assert all(leaf.matrix for leaf in table.leaves if leaf.init == "normal" and leaf.key != "embed")
 
 
-def published_cfg():
+def _untied_cfg():
     from dllm_jax.config import ModelConfig
 
     return ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
