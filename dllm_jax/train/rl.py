@@ -2,22 +2,25 @@
 
 One running :class:`dllm_jax.Engine` does every rollout, likelihood and evaluation; a JAX trainer (optax, the
 project's Qwen3 functions) owns a second copy of the parameters and pushes them into that engine after every
-optimizer step. A step:
+step. A step:
 
 1. ``--prompts-per-step`` prompts drawn from the *training* distribution of :mod:`dllm_jax.train.tasks` (``--tasks``;
    held-out prompts never appear), each sampled ``--group-size`` times by the engine (``--temperature``, a seed per
    rollout, ``return_logprob``); reward 1 for an exact match (:func:`tasks.is_correct`), else 0;
-2. group-normalised advantages ``(r - mean) / (std + eps)``; groups whose rewards are all equal are skipped;
-3. ``Engine.score`` (``--estimator``, chain by default) gives the old policy's per-token log-likelihoods of the kept
+2. group-normalised advantages ``(r - mean) / (std + eps)``; groups whose rewards are all equal are skipped, and
+   identical rollouts of a group are trained once with their advantages summed (the same loss, fewer rows);
+3. ``Engine.score`` (``--estimator``, chain by default) gives the old policy's per-token log-likelihoods of those
    rollouts: the rollout's own sampling log-probabilities are per-denoise-step confidences, not a likelihood;
 4. ``--ppo-epochs`` x ``--minibatches`` AdamW steps on ``-mean_seq sum_token min(r A, clip(r) A)`` (per-token ratio
-   ``r`` of the trainer's differentiable estimate, :mod:`dllm_jax.train.rl_loss`, to the engine's; ``--clip-eps 0``:
-   plain ``-mean(A * sum logp)``), optionally ``+ --kl-coef * KL`` to the initial weights;
+   ``r`` of the trainer's differentiable estimate, :mod:`dllm_jax.train.rl_loss`, to the engine's: exactly 1 on the
+   first minibatch, so with the default single one the loss is ``-mean(A * sum logp)`` and the ratio a check that
+   trainer and engine agree; ``--clip-eps 0``: no ratio), optionally ``+ --kl-coef * KL`` to the initial weights;
 5. ``Engine.update_weights_from_tensor`` with the in-memory parameters, ``weight_version=str(step)``; the next
    rollouts check that their ``meta_info["weight_version"]`` says so.
 
-Held-out exact match per task (greedy, the decoding of ``dllm-jax eval``) before training, every ``--eval-every``
-steps and at the end. Writes ``OUT/rl.json`` (per step: reward, loss, the four timings) and ``OUT/curve.png``.
+Held-out exact match per task (greedy, the decoding of ``dllm-jax eval``) and the held-out sampled reward of the
+target tasks before training, every ``--eval-every`` steps and at the end. Writes ``OUT/rl.json`` (per step: reward,
+loss, the four timings; the evaluations) and ``OUT/curve.png``.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ TIMINGS = ("rollout_s", "score_s", "train_s", "update_s")
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dllm_jax.train.rl", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps (each one weight update of the engine)")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps (each one weight update of the engine)")
     p.add_argument("--minutes", type=float, default=15.0,
                    help="start no step after this much wall time (0: no limit)")
     p.add_argument("--tasks", default="times", help="comma-separated tasks the prompts come from")
@@ -115,8 +118,8 @@ def sampled_reward(engine, num_prompts: int, task_names, samples: int, temperatu
     examples = [ex for ex in tasks.heldout_set(num_prompts) if ex.task in task_names]
     pids = prompt_ids(engine.tokenizer, examples)
     ids = [p for p in pids for _ in range(samples)]
-    sp = [{"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": rollout_seed(seed + 1_000_003, 0, i)}
-          for i in range(len(ids))]
+    sp = [{"max_new_tokens": max_new_tokens, "temperature": temperature,
+           "seed": rollout_seed(seed + 1_000_003, 0, i)} for i in range(len(ids))]  # never a training seed
     outs = engine.generate(input_ids=ids, sampling_params=sp)
     return float(np.mean(exact_match_rewards([examples[i // samples] for i in range(len(ids))],
                                              [o["text"] for o in outs])))
@@ -400,7 +403,7 @@ def plot(result: dict, png_path: str) -> None:
 
     steps = [r["step"] for r in result["steps"]]
     reward = [r["reward"] for r in result["steps"]]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 5.5))
     ax.plot(steps, reward, color="tab:blue", alpha=0.35, lw=1, label="training rollout reward (per step)")
     if len(reward) >= 5:
         k = 5
@@ -420,9 +423,9 @@ def plot(result: dict, png_path: str) -> None:
     ax.set_xlabel("step (one engine weight update each)")
     ax.set_ylabel("exact match")
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=8)
     ax.set_title(f"GRPO on sdar-tiny: {c['prompts_per_step']} prompts x {c['group_size']} rollouts, "
-                 f"{c['estimator']} likelihood, lr {c['lr']}", fontsize=10)
+                 f"{c['estimator']} likelihood, lr {c['lr']} ({c.get('lr_schedule', 'constant')})", fontsize=10)
     fig.tight_layout()
     fig.savefig(png_path, dpi=90)
     plt.close(fig)

@@ -48,6 +48,8 @@ def row_specs(cfg: ModelConfig, prompt: list[int], completion: list[int], estima
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator: must be one of {', '.join(ESTIMATORS)}, got {estimator!r}")
     B = cfg.block_size
+    if not completion:
+        return np.zeros(0, np.int32), np.zeros((0, B), np.int32), np.zeros((0, B), np.float32)
     seq = np.asarray(list(prompt) + list(completion), np.int32)
     blocks, toks, weights = [], [], []
     if estimator == "chain":
