@@ -29,17 +29,54 @@ PROVISIONAL = {"provisional": True}  # the event of a denoise step that left the
 
 
 class CommitMixin:
+    # Host overlap (the engine's ``host_overlap``): while ``deferring``, events wait in ``deferred_events`` and
+    # the engine hands them over while the next device call runs (:meth:`deliver_events`).
+    deferring: bool = False
+    deferred_events: list | tuple = ()  # a list per scheduler that defers (Scheduler.__init__)
+    consumer_failures: list | tuple = ()
+
     def _emit(self, req: Request, event: dict | None = None) -> None:
-        """Hand the request's consumer an event (a committed chunk, the finish, a provisional step)."""
+        """Hand the request's consumer an event (a committed chunk, the finish, a provisional step): now, after
+        the events still waiting (their order is kept), or, while ``deferring``, later."""
         if req.on_event is None:
             return
+        if req.finished and self.deferred_events:  # its finish event carries all its waiting ones hold
+            self.deferred_events = [(r, e) for r, e in self.deferred_events if r is not req]
+        if self.deferring:
+            self.deferred_events.append((req, event or {}))
+            return
+        self.deliver_events()
+        self._deliver(req, event or {}, in_flight=False)
+
+    def deliver_events(self, *, in_flight: bool = False) -> None:
+        """Hand over the events waiting (consumers read the request's state then, which no commit changed
+        since; a provisional event whose block is gone, the request retracted since, is dropped).
+        ``in_flight``: a device call runs, and a consumer that fails only has its failure noted
+        (``consumer_failures``; the engine fails the request once that call is committed, since the call may be
+        writing the request's pages)."""
+        events, self.deferred_events = self.deferred_events, []
+        for req, event in events:
+            if event.get("provisional") and getattr(req, "block_tokens", None) is None:
+                continue
+            self._deliver(req, event, in_flight=in_flight)
+
+    def _deliver(self, req: Request, event: dict, *, in_flight: bool) -> None:
         try:
-            req.on_event(req, event or {})
+            req.on_event(req, event)
         except Exception as e:  # the consumer's failure is its request's, never the loop's
             if req.finished:
                 log.exception("request %s: its on_event callback failed after it finished", req.rid)
+            elif in_flight:
+                self.consumer_failures.append((req, e))
             else:
                 self._fail(req, e)
+
+    def fail_consumers(self) -> None:
+        """Fail the requests whose consumer failed while a device call ran (see :meth:`deliver_events`)."""
+        failures, self.consumer_failures = self.consumer_failures, []
+        for req, error in failures:
+            if not req.finished:
+                self._fail(req, error)
 
     def _commit_prefill(self, call: PrefillCall) -> None:
         self.stats["prefill_forwards"] += 1

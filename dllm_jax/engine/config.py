@@ -140,6 +140,10 @@ class EngineConfig:
               "streamed requests or ones with stop strings, logprobs or penalties): fewer host round trips, the "
               "same tokens (None: 4, or 0 when fold_commit_forward is on, since a block a request goes on from "
               "needs the forward folding saves; 0: off)", minimum=0, maximum=MAX_CHAIN_BLOCKS, metavar="N")
+    host_overlap: bool = option(
+        True, "while a denoise call runs on the device, the host hands the previous round's outputs to their "
+              "consumers (stream chunks) and admits and prefills new requests (never by retracting a running "
+              "one); off: all of it between calls, as before", off_flag="--disable-host-overlap")
 
     def __post_init__(self):
         for f in dataclasses.fields(self):  # numpy scalars and the like become plain Python numbers

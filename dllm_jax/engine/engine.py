@@ -23,7 +23,6 @@ from dllm_jax import compile_cache
 from dllm_jax.cache.pages import PageAllocator
 from dllm_jax.cache.radix import BlockRadixIndex
 from dllm_jax.decode.step import kv_bytes_per_page
-from dllm_jax.engine.calls import Failed
 from dllm_jax.engine.compilation import ProgressLines
 from dllm_jax.engine.config import EngineConfig, engine_config
 from dllm_jax.engine.request import Request
@@ -36,6 +35,7 @@ from dllm_jax.engine.occupation import MemoryOccupation
 from dllm_jax.engine.pause import PauseGeneration
 from dllm_jax.engine.profiling import Profiling
 from dllm_jax.engine.renoise_engine import RenoiseServing, uses_renoise
+from dllm_jax.engine.rounds import Rounds
 from dllm_jax.engine.scoring import Scoring
 from dllm_jax.engine.sampling import SamplingParams
 from dllm_jax.engine.scheduler import Scheduler
@@ -53,8 +53,8 @@ def default_model_path() -> str:
     return DEFAULT_MODEL_PATH
 
 
-class Engine(RequestInputs, EngineInfo, Profiling, WeightUpdates, PauseGeneration, MemoryOccupation, Scoring,
-             RenoiseServing):
+class Engine(Rounds, RequestInputs, EngineInfo, Profiling, WeightUpdates, PauseGeneration, MemoryOccupation,
+             Scoring, RenoiseServing):
     """A block-diffusion LM server in a Python object.
 
     Options: see :class:`~dllm_jax.engine.config.EngineConfig` (``dllm_jax.EngineConfig``,
@@ -97,6 +97,7 @@ class Engine(RequestInputs, EngineInfo, Profiling, WeightUpdates, PauseGeneratio
             raise ValueError(f"context_length: must be at least one block ({B}), got {self.context_length}")
         if o.max_prefill_tokens < B:
             raise ValueError(f"max_prefill_tokens: must be at least one block ({B}), got {o.max_prefill_tokens}")
+        self.host_overlap = False  # _build_sdar sets it (the SDAR / LLaDA2 scheduler overlaps; renoise does not)
         if uses_renoise(cfg):  # DiffusionGemma: its own runner and scheduler (renoise_engine.py)
             self._build_renoise(loaded, o)
         else:
@@ -110,6 +111,7 @@ class Engine(RequestInputs, EngineInfo, Profiling, WeightUpdates, PauseGeneratio
         self._stop = threading.Event()
         self._wakeup = threading.Event()
         self._steps = 0
+        self._held_aborts: list = []  # aborts taken in while a call ran (rounds.py)
         self._profile_dir = o.profile_dir
         self._profile_steps = o.profile_steps
         self._profiling = False
@@ -169,6 +171,7 @@ class Engine(RequestInputs, EngineInfo, Profiling, WeightUpdates, PauseGeneratio
             context_length=self.context_length, max_prefill_blocks=self.runner.max_prefill_blocks,
             output=self.output,
             max_steps_per_call=o.max_steps_per_call or 1 << 30)
+        self.host_overlap = o.host_overlap
         return channel
 
     # ------------------------------------------------------------------------------------------
@@ -225,47 +228,6 @@ class Engine(RequestInputs, EngineInfo, Profiling, WeightUpdates, PauseGeneratio
     # ------------------------------------------------------------------------------------------
     # The loop
     # ------------------------------------------------------------------------------------------
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                kind, item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                item.weight_version = self.weight_version
-                self._requests[item.rid] = item
-                self.scheduler.add(item)
-            else:
-                req = item if isinstance(item, Request) else self._requests.get(item)
-                if req is not None:
-                    self.scheduler.abort(req)
-
-    def step(self) -> bool:
-        """One scheduler round (drains the inbox first). Returns whether there is more work."""
-        with self._lock:
-            self._drain_inbox()
-            if self.failure is not None:
-                self._fail_all(RuntimeError(self.failure))
-            elif self.scheduler.has_work() and self.pause_mode is None:  # paused: requests queue (pause.py)
-                with jax.profiler.StepTraceAnnotation("engine_step", step_num=self._steps):
-                    try:
-                        for call in self.scheduler.schedule():  # plan
-                            try:
-                                result = self.runner.run(call)  # run
-                            except BaseException as e:
-                                result = Failed(e)
-                            self.scheduler.process(call, result)  # commit
-                    except Exception as e:  # multi-process: a failed call is the group's failure
-                        if self.runner.channel is None:
-                            raise
-                        raise self._group_failed(e) from e
-                self._steps += 1
-                if self._profiling and self._profile_steps and self._steps >= self._profile_stop_at:
-                    self.stop_profile()
-            for rid in [rid for rid, r in self._requests.items() if r.finished]:
-                del self._requests[rid]
-            return self.pause_mode is None and (self.scheduler.has_work() or not self._inbox.empty())
-
     def start(self) -> None:
         """Run the scheduler in a background thread (the server's mode)."""
         if self._thread is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -252,14 +253,16 @@ class ModelRunner:
         """How many rows of ``chunk`` blocks one prefill call may carry."""
         return self.buckets_spec.prefill_rows_for(pick_bucket(chunk, self.chunk_buckets))[-1]
 
-    def run(self, call: PrefillCall | DenoiseCall) -> DecodeOutput | None:
+    def run(self, call: PrefillCall | DenoiseCall, while_running: Callable[[], None] | None = None
+            ) -> DecodeOutput | None:
         """Execute one planned call (:mod:`dllm_jax.engine.calls`): a prefill returns nothing, a denoise call its
-        rows' results."""
+        rows' results. ``while_running``: host work the caller does once a denoise call is dispatched, before its
+        results are read (JAX dispatch is asynchronous: the device runs the call meanwhile)."""
         if isinstance(call, PrefillCall):
             with jax.profiler.TraceAnnotation("prefill"):
                 return self.prefill(call.rows)
         with jax.profiler.TraceAnnotation("denoise_step"):
-            return self.denoise(call.rows, loop_cap=call.loop_cap)
+            return self.denoise(call.rows, loop_cap=call.loop_cap, while_running=while_running)
 
     def prefill(self, rows: list[PrefillRow]):
         """One prefill call over ``rows`` (writes their KV pages)."""
@@ -283,7 +286,7 @@ class ModelRunner:
                       (R, W, C * B))
         self.compiler.ran(("prefill", R, C, W))
 
-    def denoise(self, rows: list[DecodeRow], loop_cap: int = 1):
+    def denoise(self, rows: list[DecodeRow], loop_cap: int = 1, while_running: Callable[[], None] | None = None):
         """One denoise call over ``rows``: one step, or (FDFO) up to ``loop_cap`` steps until the first row with
         something to decode is done, or (sync) the whole block loop; returns a ``DecodeOutput``."""
         timeline = self.timeline
@@ -319,6 +322,9 @@ class ModelRunner:
         t_dispatched = time.perf_counter() if timeline is not None else 0.0
         sampled = bool(np.any((fields["temperature"] > 0) & (fields["top_k"] != 1)))
         self.compiler.ran(("denoise", R, W, sampled, variant))
+        if while_running is not None:
+            with jax.profiler.TraceAnnotation("while_running"):
+                while_running()
         t_sync = time.perf_counter() if timeline is not None else 0.0
         # The one host sync of this step. np.array, not jax.device_get: on XLA:CPU it reads the buffer directly
         # (~1 us; device_get's asynchronous copy costs ~0.1 ms a call).

@@ -69,6 +69,7 @@ class Scheduler(CommitMixin):
         self.running: list[Request] = []
         # Fixed keys (other threads copy this while the loop runs: the dict must never change size).
         self.stats = collections.Counter({k: 0 for k in STAT_KEYS})
+        self.deferred_events, self.consumer_failures = [], []  # host overlap (CommitMixin.deliver_events)
 
     # ------------------------------------------------------------------------------------------
     # Public
@@ -107,6 +108,18 @@ class Scheduler(CommitMixin):
             yield denoise
         elif decode_reqs and call is None:
             self.runner.compiler.wait(0.05)
+
+    def schedule_ahead(self) -> PrefillCall | None:
+        """While a denoise call runs (the engine's host overlap): admit waiting requests and plan a prefill over
+        the ones just admitted, never taking pages from a running request (the call in flight may be reading and
+        writing them: no retraction; only free pages and evictable cache). The caller runs it right away; the
+        device queues it behind the call in flight, and the next round's denoise call takes those requests in.
+        Their admission, index match and prefill launch so overlap the device instead of following it."""
+        before = {id(r) for r in self.running}
+        with jax.profiler.TraceAnnotation("schedule_ahead"):
+            self._admit()
+        admitted = [r for r in self.running if id(r) not in before and r.phase is Phase.PREFILL]
+        return self._plan_prefill(admitted, retract=False) if admitted else None
 
     def process(self, call: PrefillCall | DenoiseCall, result: DecodeOutput | Failed | None) -> None:
         """Commit a call's result: prefilled blocks enter the index, denoised blocks are committed or carried on.
@@ -187,12 +200,14 @@ class Scheduler(CommitMixin):
     # ------------------------------------------------------------------------------------------
     # Pages
     # ------------------------------------------------------------------------------------------
-    def _alloc(self, n: int, requester: Request) -> list[int] | None:
-        """n pages: free ones, then evicted cache, then retracted requests (newest first). None if the requester
-        itself had to be retracted or nothing else can give way."""
+    def _alloc(self, n: int, requester: Request, *, retract: bool = True) -> list[int] | None:
+        """n pages: free ones, then evicted cache, then (``retract``) retracted requests (newest first). None if
+        the requester itself had to be retracted, nothing else can give way, or that would take a retraction."""
         if not self.allocator.can_alloc(n):
             with jax.profiler.TraceAnnotation("radix.evict"):
                 self.radix.evict(n - self.allocator.num_free)
+        if not retract and not self.allocator.can_alloc(n):
+            return None
         while not self.allocator.can_alloc(n):
             victims = [r for r in self.running if r is not requester]
             if not victims:
@@ -252,9 +267,10 @@ class Scheduler(CommitMixin):
     # ------------------------------------------------------------------------------------------
     # Prefill
     # ------------------------------------------------------------------------------------------
-    def _plan_prefill(self, reqs: list[Request]) -> PrefillCall | None:
+    def _plan_prefill(self, reqs: list[Request], *, retract: bool = True) -> PrefillCall | None:
         """Encode complete blocks of real tokens in one forward: a row per request, holding a chunk of its
-        consecutive blocks (block-causal inside the chunk), as many as the prefill budget allows."""
+        consecutive blocks (block-causal inside the chunk), as many as the prefill budget allows. ``retract``:
+        whether running requests may give their pages way (see :meth:`_alloc`)."""
         B = self.B
         budget = self.max_prefill_blocks
         remaining = {id(r): r.real_len // B - len(r.pages) for r in reqs}
@@ -265,7 +281,7 @@ class Scheduler(CommitMixin):
         for req in reqs[:max_rows]:
             if req.phase is not Phase.PREFILL:
                 continue  # retracted while pages were found for an earlier request
-            pages = self._alloc(min(remaining[id(req)], chunk), req)
+            pages = self._alloc(min(remaining[id(req)], chunk), req, retract=retract)
             if pages is not None:
                 req.own_pages.update(pages)
                 allocated.append((req, pages))
