@@ -13,6 +13,7 @@ Models (built once per output directory and reused):
 
 from __future__ import annotations
 
+import argparse
 import collections
 import contextlib
 import dataclasses
@@ -480,6 +481,45 @@ def write_json(path: str, data) -> str:
     with open(path, "w") as f:
         json.dump(_jsonable(data), f, indent=1)
     return path
+
+
+class GpuScript:
+    """The command line of a standalone GPU benchmark, ``python -m bench.<name> [--smoke]`` (side_by_side,
+    step_profile): the doc's first line, ``--smoke`` and ``--batches``, the script's own options (added to
+    :attr:`parser` in between), then ``--out`` (:meth:`parse`): the JSON result, by default ``$OUT/<name>.json``
+    or ``bench_out/<name>.json``. Without a GPU only ``--smoke`` runs (:meth:`no_gpu`)."""
+
+    def __init__(self, name: str, doc: str, *, what: str, smoke_help: str, batches: list[int]):
+        self.name, self.what, self.out = name, what, None
+        self.parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+        self.parser.add_argument("--smoke", action="store_true", help=smoke_help)
+        self.parser.add_argument("--batches", type=int, nargs="+", default=batches)
+
+    def parse(self, argv=None) -> argparse.Namespace:
+        """Add ``--out`` and parse; ``args.out`` (and :attr:`out`) is then the result's path."""
+        self.parser.add_argument("--out", default=None,
+                                 help=f"JSON (default: $OUT/{self.name}.json or bench_out/{self.name}.json)")
+        args = self.parser.parse_args(argv)
+        args.out = self.out = args.out or os.path.join(os.environ.get("OUT") or "bench_out", f"{self.name}.json")
+        return args
+
+    def no_gpu(self, smoke: bool) -> bool:
+        """No GPU here and no ``--smoke``: says so (the script then exits 0: there is nothing to measure)."""
+        import jax
+
+        if jax.default_backend() == "gpu" or smoke:
+            return False
+        print(f"bench.{self.name}: no GPU here; the {self.what} needs one (use --smoke to check the script on CPU).")
+        return True
+
+    def write(self, result) -> None:
+        """The JSON result at :attr:`out` (written again as it grows)."""
+        write_json(self.out, result)
+
+    def wrote(self) -> int:
+        """The script's last line (and its exit status)."""
+        print(f"wrote {self.out}")
+        return 0
 
 
 def strip_outputs(run: dict) -> dict:

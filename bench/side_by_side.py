@@ -22,7 +22,6 @@ Target (issue 39): ours >= 3x the transformers loop's tokens/s at batch 16.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import shutil
@@ -140,27 +139,25 @@ def run_transformers(path: str, prompts, batches, max_new: int, *, smoke: bool, 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny random checkpoint, any machine (checks the script)")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    from bench.common import GpuScript, identical_fraction
+
+    cli = GpuScript("side_by_side", __doc__, what="comparison", batches=[1, 16],
+                    smoke_help="tiny random checkpoint, any machine (checks the script)")
+    ap = cli.parser
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--model-dir", default=None, help="where to write the checkpoint (default: a temporary dir)")
-    ap.add_argument("--out", default=None, help="JSON (default: $OUT/side_by_side.json or bench_out/...)")
-    args = ap.parse_args(argv)
+    args = cli.parse(argv)
     # The two stacks share the GPU: JAX must not take 75% of its memory up front.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
 
-    on_gpu = jax.default_backend() == "gpu"
-    if not on_gpu and not args.smoke:
-        print("bench.side_by_side: no GPU here; the comparison needs one (use --smoke to check the script on CPU).")
+    if cli.no_gpu(args.smoke):
         return 0
     block = 4 if args.smoke else 32
     prompt_tokens = 8 if args.smoke else args.prompt_tokens
     max_new = 8 if args.smoke else args.max_new_tokens
     batches = [min(b, 4) for b in args.batches] if args.smoke else args.batches
-    out_path = args.out or os.path.join(os.environ.get("OUT") or "bench_out", "side_by_side.json")
     root = args.model_dir or tempfile.mkdtemp(prefix="dllm-side-by-side-")
     path = os.path.join(root, "sdar-1.7b-random" if not args.smoke else "sdar-tiny-random")
     result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, smoke=args.smoke, block=block,
@@ -171,10 +168,8 @@ def main(argv=None) -> int:
             print(f"side_by_side: wrote the checkpoint in {result['checkpoint_write_s']:.1f} s ({path})")
         prompts = _prompts(max(batches + [2]), prompt_tokens)
         print(f"side_by_side: {len(prompts)} prompts of {prompt_tokens} tokens, {max_new} new tokens each, B = {block}")
-        from bench.common import write_json
-
         result["ours"] = run_ours(path, prompts, batches, max_new, block=block, smoke=args.smoke)
-        write_json(out_path, result)  # kept if the transformers half is cut short
+        cli.write(result)  # kept if the transformers half is cut short
         try:
             result["transformers"] = run_transformers(path, prompts, batches, max_new, smoke=args.smoke)
         except ImportError as e:
@@ -184,8 +179,6 @@ def main(argv=None) -> int:
         if args.model_dir is None:
             shutil.rmtree(root, ignore_errors=True)
     rows = []
-    from bench.common import identical_fraction
-
     for b in batches:
         o = result["ours"]["runs"].get(str(b))
         h = result.get("transformers", {}).get("runs", {}).get(str(b))
@@ -202,9 +195,7 @@ def main(argv=None) -> int:
     result["target"] = dict(name=f"ours / transformers tokens/s at batch {max(batches)}", target=TARGET_B16,
                             value=b16["speedup"] if b16 else None,
                             met=None if b16 is None or args.smoke else b16["speedup"] >= TARGET_B16)
-    from bench.common import write_json
-
-    write_json(out_path, result)
+    cli.write(result)
     print("side by side (same checkpoint, prompts and tokens; greedy, ignore_eos):")
     print(f"  {'batch':>5}  {'ours tok/s':>10}  {'transformers tok/s':>18}  {'speedup':>7}  {'identical':>9}  "
           f"{'tokens agree':>12}  {'forwards / request: ours, hf':>28}")
@@ -216,8 +207,7 @@ def main(argv=None) -> int:
     verdict = "MET" if t["met"] else ("not met" if t["met"] is not None else "not judged (smoke)")
     value = "-" if t["value"] is None else f"{t['value']:.2f}x"
     print(f"TARGET {t['name']}: {value} (>= {TARGET_B16}x) {verdict}")
-    print(f"wrote {out_path}")
-    return 0
+    return cli.wrote()
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ a graph the kernels carry no HLO names. Needs only jax and numpy.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import glob
@@ -627,9 +626,11 @@ def run(*, smoke: bool = False, batches=(1, 64), prefix: int = 1024, backend: st
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny model, any backend (checks the script)")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    from bench.common import GpuScript
+
+    cli = GpuScript("step_profile", __doc__, what="profile", batches=[1, 64],
+                    smoke_help="tiny model, any backend (checks the script)")
+    ap = cli.parser
     ap.add_argument("--prefix", type=int, default=1024)
     ap.add_argument("--backend", default=None, help="attention and confidence backend (default: pallas on a GPU, "
                                                     "else xla)")
@@ -637,21 +638,15 @@ def main(argv=None) -> int:
     ap.add_argument("--trace-dir", default=None)
     ap.add_argument("--keep-command-buffers", action="store_true",
                     help="leave XLA's CUDA graphs on (kernels inside them lose their HLO names in the trace)")
-    ap.add_argument("--out", default=None, help="JSON (default: $OUT/step_profile.json or bench_out/step_profile.json)")
-    args = ap.parse_args(argv)
+    args = cli.parse(argv)
     if not args.keep_command_buffers and "jax" not in sys.modules:
         _disable_command_buffers()
     warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
-    import jax
-
-    if jax.default_backend() != "gpu" and not args.smoke:
-        print("bench.step_profile: no GPU here; the profile needs one (use --smoke to check the script on CPU).")
+    if cli.no_gpu(args.smoke):
         return 0
-    out = args.out or os.path.join(os.environ.get("OUT") or "bench_out", "step_profile.json")
     run(smoke=args.smoke, batches=tuple(args.batches), prefix=args.prefix, backend=args.backend, steps=args.steps,
-        trace_dir=args.trace_dir, out_path=out)
-    print(f"wrote {out}")
-    return 0
+        trace_dir=args.trace_dir, out_path=args.out)
+    return cli.wrote()
 
 
 if __name__ == "__main__":

@@ -136,6 +136,36 @@ class Server:
         if len(ids) > limit:
             raise ApiError(400, f"{field}: the prompt has {len(ids)} tokens; the limit is {limit}", field)
 
+    # -- scoring --------------------------------------------------------------------------------
+    async def prompt_logprobs(self, ids_list: list[list[int]], fields: list[str], top_k: int, *, option: str,
+                              check: Callable[[list[int], str], None] | None = None,
+                              renames: dict | None = None) -> list[dict]:
+        """Each prompt's token log-probabilities (:meth:`dllm_jax.Engine.prompt_logprobs`, ``top_k``
+        alternatives), scored in a worker thread: a forward per prompt token, which must not hold up the event
+        loop. ``option`` names the request's field that asked for them (in the 400 of a model that cannot score
+        prompts); ``check(ids, field)`` is a route's own check of each prompt, after :meth:`check_ids`;
+        ``renames`` maps an engine error's field to the body's (see :func:`serve.errors.bad_request`). Each
+        route shapes the answers itself."""
+        if not self.ready:
+            raise self.unavailable()
+        eng = self.engine
+        try:
+            eng.check_prompt_logprobs(option)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        for ids, field in zip(ids_list, fields):
+            self.check_ids(ids, field)
+            if check is not None:
+                check(ids, field)
+
+        def run():
+            return [eng.prompt_logprobs(ids, top_k, field=field) for ids, field in zip(ids_list, fields)]
+
+        try:
+            return await run_in_threadpool(run)
+        except ValueError as e:
+            raise bad_request(str(e), renames) from None
+
     # -- submission -----------------------------------------------------------------------------
     def start_batch(self, ids_list: list[list[int]], params_list: list[dict], fields: list[str], *,
                     stream: bool, rids: list[str | None] | None = None, renames: dict | None = None,

@@ -41,86 +41,67 @@ def _g(key, where, shape, axes, init, name, **kw) -> Leaf:
 
 
 _H = ("hidden",)
+
+
+def _norm(key, where, name, **kw) -> Leaf:
+    """A norm weight (or scale vector) over the hidden size, initialised to ones."""
+    return _g(key, where, "H", _H, "ones", name, **kw)
+
+
+def _mlp(prefix, where, names) -> tuple[Leaf, ...]:
+    """A gated MLP's ``{prefix}gate`` / ``{prefix}up`` ``[I, H]`` and ``{prefix}down`` ``[H, I]``, named
+    ``{names}gate_proj.weight`` / ``up_proj`` / ``down_proj``."""
+    return (_g(prefix + "gate", where, "I H", ("mlp", "hidden"), "normal", names + "gate_proj.weight", matrix=True),
+            _g(prefix + "up", where, "I H", ("mlp", "hidden"), "normal", names + "up_proj.weight", matrix=True),
+            _g(prefix + "down", where, "H I", ("hidden", "mlp"), "normal", names + "down_proj.weight", matrix=True))
+
+
+def _by_kind(key, sliding, full, axes, init, name, *, full_axes=None, **kw) -> tuple[Leaf, Leaf]:
+    """A leaf of both layer kinds, one checkpoint name: shape ``sliding`` in sliding layers, ``full`` (the ``G*``
+    symbols) in full ones; ``full_axes`` where the full layers' logical axes differ."""
+    return (_g(key, SLIDING_LAYER, sliding, axes, init, name, **kw),
+            _g(key, FULL_LAYER, full, axes if full_axes is None else full_axes, init, name, **kw))
+
+
 GEMMA_LEAVES: tuple[Leaf, ...] = (
-    #  key              where          shape      logical axes                           init
-    _g("embed",          TOP,           "V H",     ("vocab", "hidden"),                   "normal",
-       DECODER_PREFIX + "embed_tokens.weight"),
-    _g("final_norm",     TOP,           "H",       _H,                                    "ones",
-       DECODER_PREFIX + "norm.weight"),
-    _g("dec_embed",      TOP,           "V H",     ("vocab", "hidden"),                   "normal",
-       DECODER_PREFIX + "embed_tokens.weight", present=_untied),
-    _g("dec_final_norm", TOP,           "H",       _H,                                    "ones",
-       DECODER_PREFIX + "norm.weight", present=_untied),
-    _g("lm_head",        TOP,           "V H",     ("vocab", "hidden"),                   "normal",
-       "lm_head.weight", matrix=True, present=_untied),
-    _g("sc_pre_norm",    TOP,           "H",       _H,                                    "ones",
-       DECODER_PREFIX + "self_conditioning.pre_norm.weight"),
-    _g("sc_gate",        TOP,           "I H",     ("mlp", "hidden"),                     "normal",
-       DECODER_PREFIX + "self_conditioning.gate_proj.weight", matrix=True),
-    _g("sc_up",          TOP,           "I H",     ("mlp", "hidden"),                     "normal",
-       DECODER_PREFIX + "self_conditioning.up_proj.weight", matrix=True),
-    _g("sc_down",        TOP,           "H I",     ("hidden", "mlp"),                     "normal",
-       DECODER_PREFIX + "self_conditioning.down_proj.weight", matrix=True),
+    # The encoder's embedding and final norm, then the decoder's own (untied checkpoints only, same names).
+    *(row for prefix, present in (("", None), ("dec_", _untied)) for row in (
+        _g(prefix + "embed", TOP, "V H", ("vocab", "hidden"), "normal", DECODER_PREFIX + "embed_tokens.weight",
+           present=present),
+        _norm(prefix + "final_norm", TOP, DECODER_PREFIX + "norm.weight", present=present))),
+    _g("lm_head", TOP, "V H", ("vocab", "hidden"), "normal", "lm_head.weight", matrix=True, present=_untied),
+    # The decoder's self-conditioning block.
+    _norm("sc_pre_norm", TOP, DECODER_PREFIX + "self_conditioning.pre_norm.weight"),
+    *_mlp("sc_", TOP, DECODER_PREFIX + "self_conditioning."),
     # Attention: sliding layers (head_dim, num_kv_heads, a v projection) and full layers (G* dims, none).
-    _g("attn_norm",      LAYER,         "H",       _H,                                    "ones",
-       "input_layernorm.weight"),
-    _g("q",              SLIDING_LAYER, "Q H",     ("q_heads", "hidden"),                 "normal",
-       "self_attn.q_proj.weight", matrix=True),
-    _g("q",              FULL_LAYER,    "GQ H",    ("q_heads", "hidden"),                 "normal",
-       "self_attn.q_proj.weight", matrix=True),
-    _g("k",              SLIDING_LAYER, "KV H",    ("kv_heads", "hidden"),                "normal",
-       "self_attn.k_proj.weight", matrix=True),
-    _g("k",              FULL_LAYER,    "GKV H",   ("global_kv_heads", "hidden"),         "normal",
-       "self_attn.k_proj.weight", matrix=True),
-    _g("v",              SLIDING_LAYER, "KV H",    ("kv_heads", "hidden"),                "normal",
-       "self_attn.v_proj.weight", matrix=True),
-    _g("o",              SLIDING_LAYER, "H Q",     ("hidden", "q_heads"),                 "normal",
-       "self_attn.o_proj.weight", matrix=True),
-    _g("o",              FULL_LAYER,    "H GQ",    ("hidden", "q_heads"),                 "normal",
-       "self_attn.o_proj.weight", matrix=True),
-    _g("q_norm",         SLIDING_LAYER, "D",       ("head_dim",),                         "ones",
-       "self_attn.q_norm.weight"),
-    _g("q_norm",         FULL_LAYER,    "GD",      ("head_dim",),                         "ones",
-       "self_attn.q_norm.weight"),
-    _g("k_norm",         SLIDING_LAYER, "D",       ("head_dim",),                         "ones",
-       "self_attn.k_norm.weight"),
-    _g("k_norm",         FULL_LAYER,    "GD",      ("head_dim",),                         "ones",
-       "self_attn.k_norm.weight"),
-    _g("post_attn_norm", LAYER,         "H",       _H,                                    "ones",
-       "post_attention_layernorm.weight"),
+    _norm("attn_norm", LAYER, "input_layernorm.weight"),
+    #         key   sliding  full     logical axes              init
+    *_by_kind("q",  "Q H",   "GQ H",  ("q_heads", "hidden"),    "normal", "self_attn.q_proj.weight", matrix=True),
+    *_by_kind("k",  "KV H",  "GKV H", ("kv_heads", "hidden"),   "normal", "self_attn.k_proj.weight", matrix=True,
+              full_axes=("global_kv_heads", "hidden")),
+    _g("v", SLIDING_LAYER, "KV H", ("kv_heads", "hidden"), "normal", "self_attn.v_proj.weight", matrix=True),
+    *_by_kind("o",  "H Q",   "H GQ",  ("hidden", "q_heads"),    "normal", "self_attn.o_proj.weight", matrix=True),
+    *(row for p in ("q", "k") for row in _by_kind(f"{p}_norm", "D", "GD", ("head_dim",), "ones",
+                                                   f"self_attn.{p}_norm.weight")),
+    _norm("post_attn_norm", LAYER, "post_attention_layernorm.weight"),
     # Feed-forward: a dense gated-GELU MLP and a mixture of experts, summed.
-    _g("pre_ff_norm",    LAYER,         "H",       _H,                                    "ones",
-       "pre_feedforward_layernorm.weight"),
-    _g("gate",           LAYER,         "I H",     ("mlp", "hidden"),                     "normal",
-       "mlp.gate_proj.weight", matrix=True),
-    _g("up",             LAYER,         "I H",     ("mlp", "hidden"),                     "normal",
-       "mlp.up_proj.weight", matrix=True),
-    _g("down",           LAYER,         "H I",     ("hidden", "mlp"),                     "normal",
-       "mlp.down_proj.weight", matrix=True),
-    _g("post_ff_norm_1", LAYER,         "H",       _H,                                    "ones",
-       "post_feedforward_layernorm_1.weight"),
-    _g("router",         LAYER,         "E H",     ("router", "hidden"),                  "normal",
-       "router.proj.weight", matrix=True),
-    _g("router_scale",   LAYER,         "H",       _H,                                    "ones",
-       "router.scale"),
-    _g("expert_scale",   LAYER,         "E",       ("router",),                           "ones",
-       "router.per_expert_scale"),
-    _g("pre_ff_norm_2",  LAYER,         "H",       _H,                                    "ones",
-       "pre_feedforward_layernorm_2.weight"),
-    _g("experts_gate",   LAYER,         "E M H",   ("experts", "expert_mlp", "hidden"),   "normal",
-       "experts.gate_up_proj", matrix=True),
-    _g("experts_up",     LAYER,         "E M H",   ("experts", "expert_mlp", "hidden"),   "normal",
-       "experts.gate_up_proj", matrix=True),
-    _g("experts_down",   LAYER,         "E H M",   ("experts", "hidden", "expert_mlp"),   "normal",
-       "experts.down_proj", matrix=True),
-    _g("post_ff_norm_2", LAYER,         "H",       _H,                                    "ones",
-       "post_feedforward_layernorm_2.weight"),
-    _g("post_ff_norm",   LAYER,         "H",       _H,                                    "ones",
-       "post_feedforward_layernorm.weight"),
-    _g("layer_scalar",   LAYER,         "1",       (None,),                               "ones",
-       "layer_scalar"),
-    _g("dec_layer_scalar", LAYER,       "1",       (None,),                               "ones",
-       "layer_scalar", present=lambda c: c.tie_word_embeddings),  # tied: the decoder's own buffer
+    _norm("pre_ff_norm", LAYER, "pre_feedforward_layernorm.weight"),
+    *_mlp("", LAYER, "mlp."),
+    _norm("post_ff_norm_1", LAYER, "post_feedforward_layernorm_1.weight"),
+    _g("router", LAYER, "E H", ("router", "hidden"), "normal", "router.proj.weight", matrix=True),
+    _norm("router_scale", LAYER, "router.scale"),
+    _g("expert_scale", LAYER, "E", ("router",), "ones", "router.per_expert_scale"),
+    _norm("pre_ff_norm_2", LAYER, "pre_feedforward_layernorm_2.weight"),
+    # experts stacked [E, out, in]; gate and up are one fused checkpoint tensor, split by rows in this order
+    *(_g(f"experts_{p}", LAYER, "E M H", ("experts", "expert_mlp", "hidden"), "normal", "experts.gate_up_proj",
+         matrix=True) for p in ("gate", "up")),
+    _g("experts_down", LAYER, "E H M", ("experts", "hidden", "expert_mlp"), "normal", "experts.down_proj",
+       matrix=True),
+    _norm("post_ff_norm_2", LAYER, "post_feedforward_layernorm_2.weight"),
+    _norm("post_ff_norm", LAYER, "post_feedforward_layernorm.weight"),
+    _g("layer_scalar", LAYER, "1", (None,), "ones", "layer_scalar"),
+    _g("dec_layer_scalar", LAYER, "1", (None,), "ones", "layer_scalar",
+       present=lambda c: c.tie_word_embeddings),  # tied: the decoder's own buffer
 )
 
 

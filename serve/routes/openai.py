@@ -68,7 +68,8 @@ async def completions(body: CompletionRequest, request: Request, server: Server 
                   for e, ids in zip(echoes, ids_list)]
     else:
         echoes = [""] * len(ids_list)
-    scored = await _prompt_logprobs(server, body, ids_list, fields) if body.prompt_logprobs else None
+    scored = await server.prompt_logprobs(ids_list, fields, body.logprobs, option="echo",
+                                          renames=OPENAI_FIELD_NAMES) if body.prompt_logprobs else None
     if body.max_tokens == 0:  # echo only (the schema refuses 0 without echo): nothing generated
         return _scored_only(server, ids_list, fields, echoes, scored, n)
     ids_list, params_list, fields = expand_choices(ids_list, [params] * len(ids_list), fields, n)
@@ -91,29 +92,6 @@ async def completions(body: CompletionRequest, request: Request, server: Server 
                         "finish_reason": finish(res["meta_info"]), "matched_stop": matched(res["meta_info"])})
     return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": server.model_name,
             "choices": choices, "usage": usage([r["meta_info"] for r in results], n)}
-
-
-async def _prompt_logprobs(server: Server, body: CompletionRequest, ids_list: list[list[int]],
-                           fields: list[str]) -> list[dict]:
-    """Each prompt's token log-probabilities (:meth:`dllm_jax.Engine.prompt_logprobs`, ``logprobs`` alternatives),
-    scored in a worker thread: a forward per prompt token, which must not hold up the event loop."""
-    if not server.ready:
-        raise server.unavailable()
-    eng = server.engine
-    try:
-        eng.check_prompt_logprobs("echo")
-    except ValueError as e:
-        raise bad_request(str(e)) from None
-    for ids, field in zip(ids_list, fields):
-        server.check_ids(ids, field)
-
-    def run():
-        return [eng.prompt_logprobs(ids, body.logprobs, field=field) for ids, field in zip(ids_list, fields)]
-
-    try:
-        return await run_in_threadpool(run)
-    except ValueError as e:
-        raise bad_request(str(e), OPENAI_FIELD_NAMES) from None
 
 
 def _scored_only(server: Server, ids_list: list[list[int]], fields: list[str], echoes: list[str],

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
-from starlette.concurrency import run_in_threadpool
 
 from serve import features, logprobs
-from serve.errors import ApiError, bad_request
+from serve.errors import ApiError
 from serve.schemas import GenerateRequest
 from serve.state import Batch, Server, expand_choices, finished_results, get_server
 from serve.streaming import SSE_DONE, SSEResponse, sse
@@ -89,27 +88,14 @@ async def _prompt_logprobs(server: Server, ids_list: list[list[int]], fields: li
                            top_k: int) -> list[dict]:
     """SGLang's ``input_token_logprobs`` (and ``input_top_logprobs``) from prompt position ``start`` on: the chain
     estimator (:meth:`dllm_jax.Engine.prompt_logprobs`; the prompt's first token has none), as
-    ``[logprob, token_id, None]`` triples, scored in a worker thread."""
-    if not server.ready:
-        raise server.unavailable()
-    eng = server.engine
-    try:
-        eng.check_prompt_logprobs("logprob_start_len")
-    except ValueError as e:
-        raise bad_request(str(e)) from None
-    for ids, field in zip(ids_list, fields):
-        server.check_ids(ids, field)
+    ``[logprob, token_id, None]`` triples, scored in a worker thread (:meth:`serve.state.Server.prompt_logprobs`)."""
+
+    def check(ids: list[int], field: str) -> None:
         if start >= len(ids):
             raise ApiError(400, f"logprob_start_len: {start} is not a position of {field} ({len(ids)} tokens)",
                            "logprob_start_len")
 
-    def run():
-        return [eng.prompt_logprobs(ids, top_k, field=field) for ids, field in zip(ids_list, fields)]
-
-    try:
-        scored = await run_in_threadpool(run)
-    except ValueError as e:
-        raise bad_request(str(e)) from None
+    scored = await server.prompt_logprobs(ids_list, fields, top_k, option="logprob_start_len", check=check)
     out = []
     for s in scored:
         meta = {"input_token_logprobs": [[lp, tid, None] for lp, tid in s["input_token_logprobs"][start:]]}
