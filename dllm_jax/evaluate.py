@@ -50,6 +50,7 @@ def evaluate(generate_fn: GenerateFn, *, num_prompts: int = 300, block_size: int
     per_task: dict[str, dict[str, Any]] = {}
     failures = []
     total_tokens = total_forwards = total_correct = 0
+    correct = []  # per prompt, in held-out order (paired comparisons of two models)
     for ex, (ids, forwards) in zip(examples, outputs):
         ids = [int(t) for t in ids]
         text = tokenizer.decode(ids, skip_special_tokens=True)
@@ -61,6 +62,7 @@ def evaluate(generate_fn: GenerateFn, *, num_prompts: int = 300, block_size: int
         row["completion_tokens"] += len(ids)
         row["forward_passes"] += int(forwards)
         total_correct += int(ok)
+        correct.append(int(ok))
         total_tokens += len(ids)
         total_forwards += int(forwards)
         if not ok and len(failures) < max_failures:
@@ -79,6 +81,7 @@ def evaluate(generate_fn: GenerateFn, *, num_prompts: int = 300, block_size: int
         "threshold": float(threshold),
         "per_task": {t: per_task[t] for t in tasks.TASKS if t in per_task},
         "failures": failures,
+        "correct_per_prompt": correct,
     }
 
 

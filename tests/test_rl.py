@@ -88,3 +88,26 @@ def test_two_steps_update_the_running_engine(engine, tmp_path):
     engine.scheduler.check_pages()
     # put the shipped weights back for the other tests of this module
     engine.update_weights_from_tensor(rl.named_params(_params(engine)), weight_version="default")
+
+
+def test_paired_change_counts_flips_and_gives_the_exact_mcnemar_p_value():
+    from dllm_jax.train.rl import paired_change
+
+    assert paired_change([0, 0, 1, 1], [0, 0, 1, 1]) == {"improved": 0, "regressed": 0, "p_value": 1.0}
+    d = paired_change([0] * 8 + [1] * 5, [1] * 8 + [1] * 4 + [0])  # 8 fixed, 1 broken
+    assert (d["improved"], d["regressed"]) == (8, 1)
+    assert abs(d["p_value"] - 2 * (1 + 9) / 2 ** 9) < 1e-12  # 2 * P(X <= 1), X ~ Bin(9, 1/2) = 0.0390625
+    assert paired_change([0] * 3, [1] * 3)["p_value"] == 0.25
+
+
+def test_report_pairs_the_held_out_prompts_before_and_after():
+    ev = lambda step, correct, sampled: {  # noqa: E731
+        "step": step, "accuracy": float(np.mean(correct)), "per_task": {"times": float(np.mean(correct))},
+        "num_prompts": {"times": len(correct)}, "correct": {"times": correct},
+        "target_sampled_reward": float(np.mean(sampled)), "target_sampled_per_prompt": sampled}
+    result = {"wall_s": 60.0, "medians": {}, "steps": [], "config": {"tasks": ["times"], "temperature": 1.0,
+                                                                      "eval_samples": 4},
+              "evals": [ev(0, [0, 0, 1, 1], [0.0, 0.25, 1.0, 0.75]), ev(20, [1, 1, 1, 0], [0.5, 0.5, 1.0, 0.5])]}
+    text = rl.report(result)
+    assert "times, prompt by prompt: 2 fixed, 1 broken (exact McNemar p = 1)" in text
+    assert "paired by prompt: +0.125 +- 0.161 (standard error over 4 prompts)" in text, text

@@ -103,16 +103,30 @@ def evaluate_engine(engine, num_prompts: int, threshold: float) -> dict:
 
     r = evaluate(generate_fn, num_prompts=num_prompts, block_size=engine.block_size,
                  threshold=threshold, tokenizer=engine.tokenizer)
+    names = [ex.task for ex in tasks.heldout_set(num_prompts)]
     return {"accuracy": r["accuracy"], "per_task": {t: v["accuracy"] for t, v in r["per_task"].items()},
-            "num_prompts": {t: v["num_prompts"] for t, v in r["per_task"].items()}}
+            "num_prompts": {t: v["num_prompts"] for t, v in r["per_task"].items()},
+            "correct": {t: [c for c, n in zip(r["correct_per_prompt"], names) if n == t] for t in r["per_task"]}}
+
+
+def paired_change(before: list[int], after: list[int]) -> dict:
+    """Two evaluations of the same prompts: how many flipped each way, and the exact two-sided McNemar p-value
+    (a binomial test on the flips: under no change, each flip goes either way with probability 1/2)."""
+    from math import comb
+
+    up = sum(1 for b, a in zip(before, after) if a > b)
+    down = sum(1 for b, a in zip(before, after) if a < b)
+    n, k = up + down, min(up, down)
+    p = min(1.0, 2 * sum(comb(n, i) for i in range(k + 1)) / 2 ** n) if n else 1.0
+    return {"improved": up, "regressed": down, "p_value": p}
 
 
 def sampled_reward(engine, num_prompts: int, task_names, samples: int, temperature: float, max_new_tokens: int,
-                   seed: int) -> float:
+                   seed: int) -> tuple[float, list[float]]:
     """The policy's expected reward on the held-out prompts of ``task_names`` (among the first ``num_prompts``):
     ``samples`` rollouts each at the training temperature, with the same seeds at every evaluation (common random
     numbers: a change between two evaluations is the policy's). Smoother than greedy exact match, which flips
-    whole answers on small weight changes."""
+    whole answers on small weight changes. Returns the mean and each prompt's mean."""
     from dllm_jax.evaluate import prompt_ids
 
     examples = [ex for ex in tasks.heldout_set(num_prompts) if ex.task in task_names]
@@ -121,8 +135,8 @@ def sampled_reward(engine, num_prompts: int, task_names, samples: int, temperatu
     sp = [{"max_new_tokens": max_new_tokens, "temperature": temperature,
            "seed": rollout_seed(seed + 1_000_003, 0, i)} for i in range(len(ids))]  # never a training seed
     outs = engine.generate(input_ids=ids, sampling_params=sp)
-    return float(np.mean(exact_match_rewards([examples[i // samples] for i in range(len(ids))],
-                                             [o["text"] for o in outs])))
+    rewards = exact_match_rewards([examples[i // samples] for i in range(len(ids))], [o["text"] for o in outs])
+    return float(np.mean(rewards)), rewards.reshape(len(examples), samples).mean(axis=1).tolist()
 
 
 def named_params(params) -> dict:
@@ -261,8 +275,9 @@ def _run(args, engine, out_dir, t_start, reward_fn) -> dict:
         ev = evaluate_engine(engine, args.eval_prompts, args.threshold)
         ev["target_accuracy"] = float(np.mean([ev["per_task"][k] for k in args.tasks]))
         if args.eval_samples:
-            ev["target_sampled_reward"] = sampled_reward(engine, args.eval_prompts, args.tasks, args.eval_samples,
-                                                         args.temperature, args.max_new_tokens, args.seed)
+            ev["target_sampled_reward"], ev["target_sampled_per_prompt"] = sampled_reward(
+                engine, args.eval_prompts, args.tasks, args.eval_samples, args.temperature, args.max_new_tokens,
+                args.seed)
         ev.update(step=step, seconds=round(time.perf_counter() - t, 2))
         evals.append(ev)
         print(f"eval @ step {step:3d}: " + "  ".join(f"{k} {v:.3f}" for k, v in ev["per_task"].items())
@@ -384,11 +399,20 @@ def report(result: dict) -> str:
                      f"{after['per_task'][t]:>7.3f}")
     lines.append(f"{'all':<10} {sum(before['num_prompts'].values()):>7d} {before['accuracy']:>7.3f} "
                  f"{after['accuracy']:>7.3f}")
+    c = result["config"]
+    for t in c["tasks"]:
+        if t in before.get("correct", {}):
+            d = paired_change(before["correct"][t], after["correct"][t])
+            lines.append(f"{t}, prompt by prompt: {d['improved']} fixed, {d['regressed']} broken (exact McNemar "
+                         f"p = {d['p_value']:.3g})")
     if "target_sampled_reward" in before:
-        c = result["config"]
         lines.append(f"held-out reward of {','.join(c['tasks'])}, sampled (T {c['temperature']}, "
                      f"{c['eval_samples']} per prompt): {before['target_sampled_reward']:.3f} -> "
                      f"{after['target_sampled_reward']:.3f}")
+        if "target_sampled_per_prompt" in before:
+            diff = np.subtract(after["target_sampled_per_prompt"], before["target_sampled_per_prompt"])
+            lines.append(f"  paired by prompt: {diff.mean():+.3f} +- {diff.std(ddof=1) / np.sqrt(len(diff)):.3f} "
+                         f"(standard error over {len(diff)} prompts)")
     return "\n".join(lines)
 
 
