@@ -18,7 +18,8 @@
 #    crossover grid written into pallas_kernels/confidence_crossover.json (and a copy in the output), then the
 #    attention sweep (split counts x key tiles) (items 1-3);
 # 5. python -m bench.side_by_side: the engine vs transformers' SDAR loop in bf16 with SDPA on the same random
-#    1.7B-shape checkpoint, batch 1 and 16 (item 7);
+#    1.7B-shape checkpoint, batch 1 and 16 (item 7); python -m bench.host_overlap: the engine serving streamed
+#    requests with host_overlap off and on, host time per call hidden vs exposed (item 6);
 # 6. the same roofline from the previous commit ("before"; Pallas, batch 1 and 64, 1k): a `git archive` of it when
 #    this copy has .git (REV: $BEFORE_REV, else HEAD when the tree has uncommitted changes, else HEAD~1), else
 #    bench_out/before_tree.tgz (`--pack-before` writes it here; carry it to the GPU machine), else $BEFORE_TREE (a
@@ -122,6 +123,12 @@ if [[ -n "$SMOKE" ]]; then SBS_ARGS=(--smoke); else SBS_ARGS=(--batches 1 16); f
 run_stage "side by side: engine vs transformers" "${SIDE_TIMEOUT_S:-150}" 80 "$DEST/side_by_side.log" \
   "$PY" -m bench.side_by_side "${SBS_ARGS[@]}" --out "$DEST/side_by_side.json"
 
+# 5b. the engine's host work hidden behind the device, host_overlap off / on (item 6)
+if [[ -n "$SMOKE" ]]; then HO_ARGS=(--requests 4 --concurrency 2 --max-new-tokens 16 --repeats 1); else
+  HO_ARGS=(--requests 48 --concurrency 16 --max-new-tokens 64 --repeats 2); fi
+run_stage "host overlap (engine, shipped model)" "${OVERLAP_TIMEOUT_S:-60}" 30 "$DEST/host_overlap.log" \
+  "$PY" -m bench.host_overlap "${HO_ARGS[@]}" --out "$DEST/host_overlap.json"
+
 # 6. before
 BEFORE=""
 prepare_before() {
@@ -185,6 +192,13 @@ def load(name):
 
 
 from bench.roofline import at_measured_ceilings, format_overlap, format_rows, judge
+
+overlap = load("host_overlap.json")
+for mode in ("off", "on") if overlap else ():
+    b = overlap[mode]["best"]
+    print(f"engine host_overlap {mode}: {b['tokens_per_s']:.0f} tok/s, per denoise call exposed host "
+          f"{b['exposed_ms']:.3f} ms, hidden {b['hidden_ms']:.3f} ms, device wait {b['wait_ms']:.3f} ms; same tokens "
+          f"as off: {overlap[mode]['identical_to_off']}")
 
 after, before = load("roofline.json"), load("roofline_before.json")
 ceil = (after or {}).get("ceilings") or {}
