@@ -172,7 +172,7 @@ def apply_tensors(cfg: ModelConfig, params: Params, planned: list[Planned]) -> i
     written: set[tuple] = set()
     for t in planned:
         value = t.value
-        outputs = []
+        outputs = {}  # path -> its newest leaf (a fused leaf's earlier ones are donated to the later writes)
         for part, target in zip(t.parts, t.targets):
             old = get_leaf(params, part.path)
             placement = _Placement.of(old)
@@ -190,9 +190,9 @@ def apply_tensors(cfg: ModelConfig, params: Params, planned: list[Planned]) -> i
                 new = _normalize_head_device(new, jnp.dtype(target))
             new = placement.put(new)
             set_leaf(params, part.path, new)
-            outputs.append(new)
+            outputs[part.path] = new
             written.add(part.path)
-        jax.block_until_ready(outputs)
+        jax.block_until_ready(list(outputs.values()))
     return len(written)
 
 
