@@ -10,15 +10,26 @@ they share one pytree and one table, :data:`DECODER`. A row (:class:`Leaf`) says
 * its **dtype rule** (routing inputs stay float32 whatever the model's dtype) and how :func:`init_params` fills it;
 * its **checkpoint names** in each family's published layout: ``"qwen3"`` (SDAR, SDAR-MoE, Qwen3(-MoE)) and
   ``"llada2"`` (LLaDA2 / Bailing). Layer names are relative to ``model.layers.{i}.``; ``{e}`` is an expert index
-  (one tensor per expert, stacked here on the leading axis). Leaves that share a name are one fused tensor, split
-  in table order (LLaDA2's ``query_key_value``; transformers 5's ``gate_up_proj``). The first name is the one
-  written; the others are also read.
+  (one tensor per expert, stacked here on the leading axis). The first name is the one written; the others are
+  also read.
+
+**Fused leaves.** q|k|v is one leaf per layer, ``qkv [Q + 2*KV, H]`` (and ``qkv_bias``), and gate|up one,
+``gate_up [2*I, H]`` (the shared experts' ``shared_gate_up [2*S, H]``, the routed experts' ``gate_up [E, 2*M, H]``),
+so the forward runs one matmul where it ran three / two. Such a row lists its **segments** (:class:`Segment`), one
+per checkpoint tensor (``q_proj``, ``k_proj``, ``v_proj``; ``gate_proj``, ``up_proj``) with its rows and names; each
+checkpoint tensor is copied into its segment's rows. Segments that share a name are one fused checkpoint tensor
+(LLaDA2's ``query_key_value``, transformers 5's ``gate_up_proj``): on one shard block that tensor IS the leaf (one
+copy). The rows are laid out **shard-major** for tensor parallelism: with ``g`` blocks (``ModelConfig.tp_shards``,
+the engine's TP degree, when every shard gets whole q and KV heads / equal MLP halves; else 1), block ``s`` is
+``[q_s; k_s; v_s]`` (``[gate_s; up_s]``), so splitting the out axis over ``g`` shards gives each shard its own heads
+(a plain ``[q; k; v]`` split over shards would not). :mod:`dllm_jax.model.fused` holds that layout; the unfused
+names (``layers.0.q``: the leaves before fusion) still name their segments.
 
 Projection matrices (``matrix=True``) are stored as the checkpoints store them, ``[out, in]`` (stacked experts
 ``[E, out, in]``; the LM head ``[V, H]`` like the embedding), and the forward contracts their last axis
 (:func:`dllm_jax.model.moe.linear`): XLA:GPU / cuBLAS and XLA:CPU take that operand order without a copy (on CPU it
 measured as fast or faster than ``[in, out]``, bench/RESULTS.md), so loading a checkpoint is a copy of each tensor,
-never a transpose. A fused checkpoint tensor is split by rows (its out axis), which is a copy too.
+never a transpose. A checkpoint tensor goes to its rows of a fused leaf (its shard blocks), a copy too.
 
 Everything else derives from these rows: :func:`param_shapes`, :func:`param_dtypes`, :func:`init_params` and
 :func:`abstract_params` (what ``jax.eval_shape`` of the initialiser gives, without tracing it), the sharding axes
