@@ -71,7 +71,7 @@ def transpose_v1_matrices(params: Params, cfg: ModelConfig) -> Params:
 def save_converted(model_dir: str, params: Params, out_dir: str, *, max_shard_bytes: int = CONVERTED_SHARD_BYTES,
                    progress: bool = False, cfg: ModelConfig | None = None) -> None:
     """Write ``out_dir``: config and tokenizer files (never the directory's ``.py`` files) plus ``params/``, our
-    pytree in sharded safetensors named by path (``layers.3.q``), in our layout (``[out, in]`` matrices, fused
+    pytree in sharded safetensors named by path (``layers.3.qkv``), in our layout (``[out, in]`` matrices, fused
     tensors split, a ``norm_head`` head normalised) and dtype. Written one tensor at a time from the device arrays
     (a host copy of one tensor at a time on an accelerator, none on CPU). Fused leaves are written in one shard
     block's row order: ``cfg`` (the params' config) when they were laid out for more shards."""

@@ -371,7 +371,7 @@ def has_leaf(tree, path: tuple) -> bool:
 
 
 def path_name(path: tuple) -> str:
-    """A leaf's name in a converted directory (``layers.3.moe.gate``); :func:`name_path` is the inverse."""
+    """A leaf's name in a converted directory (``layers.3.moe.gate_up``); :func:`name_path` is the inverse."""
     return ".".join(str(p) for p in path)
 
 
