@@ -123,3 +123,37 @@ def test_sharded_fused_leaves_compute_the_same_logits(cfg):
     # the plain order read as shard-major is another model (what a naive fused layout would compute)
     wrong = jax.jit(qwen3.forward_full, static_argnums=1)(params, cfg2, tokens, positions, mask)
     assert not np.allclose(np.asarray(wrong), np.asarray(want), atol=1e-3)
+
+
+def test_tp_engine_reads_and_updates_fused_rows_by_checkpoint_name(tmp_path):
+    """LLaDA2 on TP 2 (q|k|v and gate|up in two shard blocks): ``query_key_value`` and one expert's ``up_proj`` read
+    back as the checkpoint's tensors, are written into their rows by name (the other rows and every sharding kept),
+    and the fused path reads the leaf in one block's order; TP 2 decodes as TP 1."""
+    import dllm_jax
+    from dllm_jax.testing import published
+
+    pub = published.write_published(str(tmp_path / "m"), "llada2", std=0.5, embed_std=0.5, keep_tensors=True)
+    qkv, up, gate = ("model.layers.0.attention.query_key_value.weight",
+                     "model.layers.1.mlp.experts.3.up_proj.weight", "model.layers.1.mlp.experts.3.gate_proj.weight")
+    prompts, sp = [[5, 6, 7, 8, 9], [11, 12]], {"max_new_tokens": 8, "ignore_eos": True, "temperature": 0}
+    outs = {}
+    for tp in (1, 2):
+        engine = dllm_jax.Engine(pub.path, tensor_parallel_size=tp, max_running_requests=4, context_length=128,
+                                 warmup=False)
+        try:
+            outs[tp] = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=sp)]
+            if tp == 1:
+                continue
+            assert engine.runner.params["layers"][0]["qkv"].sharding.spec[0] == "tp"
+            np.testing.assert_array_equal(engine.get_weights_by_name(qkv, None), pub.tensors[qkv].astype(np.float32))
+            shardings = [x.sharding for x in jax.tree.leaves(engine.runner.params)]
+            new = np.random.default_rng(0).standard_normal(pub.tensors[qkv].shape).astype(np.float32)
+            engine.update_weights_from_tensor({qkv: new, up: np.ones(pub.tensors[up].shape, np.float32)})
+            assert [x.sharding for x in jax.tree.leaves(engine.runner.params)] == shardings
+            np.testing.assert_array_equal(engine.get_weights_by_name(qkv, None), new)
+            np.testing.assert_array_equal(engine.get_weights_by_name("layers.0.qkv", None), new)
+            assert np.all(engine.get_weights_by_name(up, None) == 1)
+            np.testing.assert_array_equal(engine.get_weights_by_name(gate, None), pub.tensors[gate].astype(np.float32))
+        finally:
+            engine.shutdown()
+    assert outs[1] == outs[2]
