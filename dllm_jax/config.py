@@ -103,6 +103,9 @@ class ModelConfig:
     rope_full: tuple = ()
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     hidden_act: str = "silu"  # "silu" (SwiGLU) | "gelu_pytorch_tanh" (Gemma's gated GELU)
+    # The tensor-parallel degree the fused q|k|v and gate|up leaves are laid out for (shard-major rows,
+    # dllm_jax/model/fused.py); set by the engine before loading, never read from or written to config.json.
+    tp_shards: int = 1
 
     @property
     def q_size(self) -> int:

@@ -23,6 +23,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dllm_jax.config import ModelConfig
+from dllm_jax.model.fused import FUSED_AXES, fused_axis_groups
 from dllm_jax.model.params import PARAM_AXES, key_path, param_axes  # noqa: F401 (PARAM_AXES: public)
 
 MESH_AXES = ("expert", "tp")
@@ -34,6 +35,11 @@ RULES: dict[str, str | None] = {
     "kv_heads": "tp",  # k / v projections and the KV page pool by KV head (replicated if it does not divide)
     "global_kv_heads": "tp",  # DiffusionGemma's full-attention layers' k projection (their own KV heads)
     "mlp": "tp",  # dense SwiGLU intermediate (and the MoE shared experts)
+    # fused out axes (dllm_jax.model.fused): rows shard-major, so each shard's block holds its own q/k/v heads
+    # (gate/up halves); split only when laid out for this degree (ModelConfig.tp_shards), else replicated
+    "qkv": "tp",
+    "gate_up": "tp",
+    "expert_gate_up": "tp",
     "experts": "expert",  # stacked expert weights
     "expert_mlp": "tp",  # each expert's intermediate dimension
     "hidden": None,
@@ -64,6 +70,8 @@ def _units(cfg: ModelConfig, axis: str, size: int) -> int:
         return cfg.num_kv_heads
     if axis == "global_kv_heads":
         return cfg.num_global_kv_heads
+    if axis in FUSED_AXES:  # its shard blocks: a mesh that does not divide them would split a block
+        return fused_axis_groups(cfg, axis, size)
     return size
 
 

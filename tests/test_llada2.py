@@ -241,11 +241,11 @@ def test_config_fields_and_param_layout(tmp_path):
     assert (cfg.moe_score_func, cfg.moe_expert_bias, cfg.moe_n_group, cfg.moe_topk_group) == ("sigmoid", True, 4, 2)
     assert cfg.attention_bias and cfg.o_bias and cfg.norm_head and cfg.shared_intermediate_total == 20
     layers = loaded.params["layers"]
-    assert set(layers[0]) >= {"q", "k", "v", "o", "o_bias", "q_bias", "gate", "up", "down"} and "moe" not in layers[0]
+    assert set(layers[0]) >= {"qkv", "o", "o_bias", "qkv_bias", "gate_up", "down"} and "moe" not in layers[0]
     moe = layers[1]["moe"]
-    # matrices [out, in] ([E, out, in]) as the checkpoint stores them
-    assert moe["gate"].shape == (8, 24, 48) and moe["down"].shape == (8, 48, 24) and moe["router"].shape == (8, 48)
-    assert moe["shared_gate"].shape == (20, 48) and moe["expert_bias"].shape == (8,)
+    # matrices [out, in] ([E, out, in]) as the checkpoint stores them, gate|up fused along out
+    assert moe["gate_up"].shape == (8, 48, 48) and moe["down"].shape == (8, 48, 24) and moe["router"].shape == (8, 48)
+    assert moe["shared_gate_up"].shape == (40, 48) and moe["expert_bias"].shape == (8,)
     soft = load_model(_write(tmp_path / "s", SOFTMAX_TIED, _random_checkpoint(SOFTMAX_TIED)))
     assert soft.config.delete_token_id is None and soft.config.split_token_id is None
     assert soft.config.rotary_dim == 16 and not soft.config.use_qk_norm and "lm_head" not in soft.params
@@ -264,7 +264,7 @@ def test_save_hf_round_trip_and_bf16_orbax(tmp_path):
     c, d = load_model(tmp_path / "orbax", dtype="bfloat16"), load_model(path, dtype="bfloat16")
     assert c.params["layers"][1]["moe"]["router"].dtype == jnp.float32
     assert c.params["layers"][1]["moe"]["expert_bias"].dtype == jnp.float32
-    assert c.params["layers"][1]["moe"]["gate"].dtype == jnp.bfloat16
+    assert c.params["layers"][1]["moe"]["gate_up"].dtype == jnp.bfloat16
     for x, y in zip(jax.tree.leaves(c.params), jax.tree.leaves(d.params)):
         assert x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y))
 
@@ -342,14 +342,16 @@ def test_shared_experts_added_unscaled_to_scaled_routed_output():
     cfg = _cfg(moe_score_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5, num_shared_experts=2,
                shared_expert_intermediate_size=3)
     keys = jax.random.split(jax.random.key(0), 7)
-    moe = {"router": jax.random.normal(keys[0], (8, 8)), "gate": 0.5 * jax.random.normal(keys[1], (8, 4, 8)),
-           "up": 0.5 * jax.random.normal(keys[2], (8, 4, 8)), "down": 0.5 * jax.random.normal(keys[3], (8, 8, 4)),
-           "shared_gate": 0.5 * jax.random.normal(keys[4], (6, 8)),
-           "shared_up": 0.5 * jax.random.normal(keys[5], (6, 8)),
+    moe = {"router": jax.random.normal(keys[0], (8, 8)),  # gate|up fused along out: [gate; up]
+           "gate_up": 0.5 * jnp.concatenate([jax.random.normal(keys[1], (8, 4, 8)),
+                                             jax.random.normal(keys[2], (8, 4, 8))], axis=1),
+           "down": 0.5 * jax.random.normal(keys[3], (8, 8, 4)),
+           "shared_gate_up": 0.5 * jnp.concatenate([jax.random.normal(keys[4], (6, 8)),
+                                                    jax.random.normal(keys[5], (6, 8))]),
            "shared_down": 0.5 * jax.random.normal(keys[6], (8, 6))}
     x = jax.random.normal(jax.random.key(1), (5, 8))
     routed_only = {k: v for k, v in moe.items() if not k.startswith("shared_")}
-    shared = swiglu(x, moe["shared_gate"], moe["shared_up"], moe["shared_down"])
+    shared = swiglu(x, moe["shared_gate_up"], moe["shared_down"], cfg)
     mlp = jax.jit(moe_mlp, static_argnums=2)
     full = mlp(moe, x, cfg)
     np.testing.assert_allclose(np.asarray(full), np.asarray(mlp(routed_only, x, cfg) + shared), atol=1e-5)

@@ -189,7 +189,9 @@ def _loop_reference(moe, x, cfg):
     """Per token, per chosen expert, a plain dense SwiGLU (routing from :func:`route`); matrices are ``[out, in]``."""
     ids, w = jax.jit(route, static_argnums=1)(jnp.asarray(x) @ moe["router"].T, cfg, moe.get("expert_bias"))
     ids, w = np.asarray(ids), np.asarray(w)
-    g, u, d = (np.asarray(moe[k], np.float64) for k in ("gate", "up", "down"))
+    M = cfg.moe_intermediate_size  # gate|up fused on one shard block: [gate; up] along out
+    gu, d = np.asarray(moe["gate_up"], np.float64), np.asarray(moe["down"], np.float64)
+    g, u = gu[:, :M], gu[:, M:]
     out = np.zeros(x.shape, np.float64)
     for n in range(x.shape[0]):
         xn = np.asarray(x[n], np.float64)
@@ -197,11 +199,12 @@ def _loop_reference(moe, x, cfg):
             e = ids[n, slot]
             a = xn @ g[e].T
             out[n] += w[n, slot] * ((a / (1 + np.exp(-a)) * (xn @ u[e].T)) @ d[e].T)
-    if "shared_gate" in moe:
+    if "shared_gate_up" in moe:
         xs = np.asarray(x, np.float64)
-        a = xs @ np.asarray(moe["shared_gate"], np.float64).T
-        out += (a / (1 + np.exp(-a)) * (xs @ np.asarray(moe["shared_up"], np.float64).T)) @ np.asarray(
-            moe["shared_down"], np.float64).T
+        S = cfg.shared_intermediate_total
+        sgu = np.asarray(moe["shared_gate_up"], np.float64)
+        a = xs @ sgu[:S].T
+        out += (a / (1 + np.exp(-a)) * (xs @ sgu[S:].T)) @ np.asarray(moe["shared_down"], np.float64).T
     return out
 
 
@@ -244,12 +247,12 @@ def test_output_independent_of_batch_composition(variant):
 def test_moe_param_layout_is_expert_stacked():
     cfg = _moe_cfg(**MOE_VARIANTS["bailing"])
     moe = param_shapes(cfg)["layers"][0]["moe"]
-    assert moe["gate"] == moe["up"] == (8, 24, 32) and moe["down"] == (8, 32, 24)  # [E, out, in]
+    assert moe["gate_up"] == (8, 48, 32) and moe["down"] == (8, 32, 24)  # [E, out, in], gate|up fused along out
     assert moe["router"] == (8, 32) and moe["expert_bias"] == (8,)
-    assert moe["shared_gate"] == (16, 32) and moe["shared_down"] == (32, 16)
+    assert moe["shared_gate_up"] == (32, 32) and moe["shared_down"] == (32, 16)
     p = init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)["layers"][0]["moe"]
     assert p["router"].dtype == jnp.float32 and p["expert_bias"].dtype == jnp.float32  # fp32 router
-    assert p["gate"].dtype == jnp.bfloat16
+    assert p["gate_up"].dtype == jnp.bfloat16
 
 
 # --- config and checkpoint errors ------------------------------------------------------------------

@@ -54,7 +54,7 @@ def test_moe_decides_as_the_reference_batched_and_with_experts_split(moe_model, 
     # Experts over 4 devices (EP = 4): really split, same decisions.
     ep = make_engine(path, expert_parallel_size=4, **kw)
     moe_layer = next(layer for layer in ep.runner.params["layers"] if "moe" in layer)
-    gate = moe_layer["moe"]["gate"]
+    gate = moe_layer["moe"]["gate_up"]
     assert gate.sharding.spec[0] == "expert" and max(s.data.nbytes for s in gate.addressable_shards) * 4 == gate.nbytes
     oracle.verify_all(prompts, [o["output_ids"] for o in ep.generate(input_ids=prompts, sampling_params=PARAMS)], 9)
 

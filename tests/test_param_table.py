@@ -69,14 +69,29 @@ def test_sharding_axes_are_the_tables():
     assert sharding.PARAM_AXES is PARAM_AXES
     assert set(PARAM_AXES) == {leaf.axes_key for leaf in DECODER.leaves}
     assert all(all(d in DIMS for d in leaf.shape) for leaf in DECODER.leaves)
-    assert {leaf.key for leaf in DECODER.leaves if leaf.where == MOE} >= {"router", "gate", "up", "down"}
+    assert {leaf.key for leaf in DECODER.leaves if leaf.where == MOE} >= {"router", "gate_up", "down"}
 
 
+def _part_value(cfg, params, p):
+    """What ``p`` fills: its leaf, one expert's row of it, one segment's rows of a fused leaf."""
+    from dllm_jax.model.fused import segment_of
+
+    a = get_leaf(params, p.path) if p.expert is None else get_leaf(params, p.path)[p.expert]
+    if p.segment is None:
+        return a
+    leaf = param_table(cfg).leaf(p.path)
+    return segment_of(cfg, leaf, a, p.segment, leaf.row_axis - (p.expert is not None))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_checkpoint_names_round_trip(name):
-    """Our pytree -> the family's checkpoint tensors -> our pytree, bit for bit, every leaf (and every expert row)
-    filled exactly once; the expected shape of every tensor is its shape; the name a leaf reports is written."""
-    cfg = CONFIGS[name]
+def test_checkpoint_names_round_trip(name, tp):
+    """Our pytree -> the family's checkpoint tensors -> our pytree, bit for bit, every leaf (every expert row, every
+    fused leaf's segment) filled exactly once; the expected shape of every tensor is its shape; the name a leaf
+    reports is written. With the fused leaves laid out for two TP shards too."""
+    from dllm_jax.model.placement import missing_pieces
+
+    cfg = CONFIGS[name].replace(tp_shards=tp)
     params = jax.tree.map(np.asarray, init_params(cfg, jax.random.key(1)))
     shapes = param_shapes(cfg)
     hf = params_to_hf(params, cfg)
@@ -86,13 +101,12 @@ def test_checkpoint_names_round_trip(name):
         assert parts and all(has_leaf(shapes, p.path) for p in parts), hf_name
         assert expected_hf_shape(cfg, shapes, parts) == a.shape, hf_name
         for p in parts:
-            want = get_leaf(params, p.path) if p.expert is None else get_leaf(params, p.path)[p.expert]
-            np.testing.assert_array_equal(convert(p.convert, a), want)
-            filled.setdefault(p.path, []).append(p.expert)
-            assert hf_name_for(cfg, p.path, p.expert) == hf_name
+            np.testing.assert_array_equal(convert(p.convert, a), _part_value(cfg, params, p))
+            assert (p.expert, p.segment) not in filled.get(p.path, []), (hf_name, p)
+            filled.setdefault(p.path, []).append((p.expert, p.segment))
+            assert hf_name_for(cfg, p.path, p.expert, p.segment) == hf_name
     for path, x in _leaves(params).items():
-        want = list(range(x.shape[0])) if param_table(cfg).leaf(path).hf_names(cfg.family)[0].count("{e}") else [None]
-        assert sorted(filled[path], key=lambda e: -1 if e is None else e) == want, path
+        assert missing_pieces(cfg, shapes, path, filled[path]) == [], path
 
 
 PUBLISHED_DIMS = dict(vocab_size=448, **published.TINY_DIMS)
@@ -111,15 +125,17 @@ def test_published_names_resolve_to_the_table(layout):
     config = PUBLISHED_CONFIGS[layout]
     cfg = ModelConfig.from_hf_dict(config)
     shapes = param_shapes(cfg)
-    filled = set()
+    filled: dict[tuple, set] = {}
     for hf_name, shape, _ in published.tensor_specs(config):
         parts = [p for p in hf_tensor_parts(cfg, hf_name) or () if has_leaf(shapes, p.path)]
         assert parts, hf_name
         assert expected_hf_shape(cfg, shapes, parts) == tuple(shape), hf_name
-        filled.update((p.path, p.expert) for p in parts)
+        for p in parts:
+            filled.setdefault(p.path, set()).add((p.expert, p.segment))
+    from dllm_jax.model.placement import missing_pieces
+
     for path, shape in _leaves(shapes).items():
-        stacked = "{e}" in param_table(cfg).leaf(path).hf_names(cfg.family)[0]
-        assert all((path, e) in filled for e in (range(shape[0]) if stacked else [None])), path
+        assert missing_pieces(cfg, shapes, path, filled.get(path, set())) == [], path
 
 
 def test_each_family_names_every_leaf_it_can_hold():

@@ -60,7 +60,7 @@ def test_trainer_likelihood_is_the_engines(engine, estimator):
 
 
 def test_two_steps_update_the_running_engine(engine, tmp_path):
-    before = engine.get_weights_by_name("layers.0.q", truncate_size=None)
+    before = engine.get_weights_by_name("layers.0.qkv", truncate_size=None)
     args = rl.parse_args(["--steps", "2", "--prompts-per-step", "2", "--group-size", "2", "--eval-prompts", "0",
                           "--max-new-tokens", "64", "--rows-per-chunk", "128", "--seqs-per-chunk", "2",
                           "--temperature", "5", "--lr", "1e-3", "--minibatches", "2", "--kl-coef", "0.05",
@@ -78,9 +78,9 @@ def test_two_steps_update_the_running_engine(engine, tmp_path):
         assert all(s[k] >= 0 for k in rl.TIMINGS)
     assert steps[0]["first_max_abs_log_ratio"] < 1e-4  # the trainer's likelihood is the engine's
     assert engine.get_weight_version() == "2"
-    after = engine.get_weights_by_name("layers.0.q", truncate_size=None)
+    after = engine.get_weights_by_name("layers.0.qkv", truncate_size=None)
     assert not np.allclose(before, after)
-    np.testing.assert_array_equal(after, np.asarray(result["params"]["layers"][0]["q"]))
+    np.testing.assert_array_equal(after, np.asarray(result["params"]["layers"][0]["qkv"]))
     out = engine.generate(input_ids=engine.tokenize(engine.apply_chat_template("Count up 10 steps from 3.")),
                           sampling_params={"max_new_tokens": 32})
     assert out["meta_info"]["weight_version"] == "2"

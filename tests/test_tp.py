@@ -59,7 +59,8 @@ def test_parameters_and_kv_pages_are_sharded(models, make_engine):
     engine = make_engine(models["even"], tensor_parallel_size=2, **ENGINE_KW)
     params = engine.runner.params
     layer = params["layers"][0]
-    for name in ("q", "k", "v", "gate", "up"):  # [out, in]: split on out (by head, by MLP unit)
+    assert engine.config.tp_shards == 2  # the fused leaves are laid out for it: shard s holds [q_s; k_s; v_s]
+    for name in ("qkv", "gate_up"):  # [out, in]: split on out (by shard block: whole heads, MLP halves)
         assert _per_device_bytes(layer[name]) * 2 == layer[name].nbytes, name
         assert layer[name].sharding.spec[0] == "tp", name
     for name in ("o", "down"):  # [out, in]: split on in
@@ -76,8 +77,9 @@ def test_parameters_and_kv_pages_are_sharded(models, make_engine):
 def test_replicated_when_heads_do_not_divide(models, make_engine):
     engine = make_engine(models["odd"], tensor_parallel_size=4, **ENGINE_KW)
     layer = engine.runner.params["layers"][0]
-    assert layer["k"].sharding.spec == jax.sharding.PartitionSpec(None, None)  # 3 KV heads over 4 devices
-    assert layer["gate"].sharding.spec[0] == "tp"  # the MLP still splits (72 / 4)
+    # 3 KV heads over 4 devices: q|k|v is laid out on one block and replicated
+    assert layer["qkv"].sharding.spec == jax.sharding.PartitionSpec(None, None)
+    assert layer["gate_up"].sharding.spec[0] == "tp"  # the MLP still splits (72 / 4)
 
 
 def test_full_logits_never_materialised(models, make_engine):

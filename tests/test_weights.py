@@ -125,10 +125,13 @@ def test_update_from_disk_decodes_like_a_fresh_engine(engine, prompts, perturbed
     assert all(o["meta_info"]["weight_version"] == "v1" and o["meta_info"]["cached_tokens"] == 0 for o in outs)
     assert compiled_executables() == before
     assert engine.get_weight_version() == "v1"
-    q = perturbed["flat"]["layers.1.q"]
-    # matrices are stored [out, in] as the checkpoint stores them: both names read the same array
+    qkv = perturbed["flat"]["layers.1.qkv"]  # q|k|v fused, [q; k; v] on one shard
+    q = qkv[:engine.config.q_size]
+    # matrices are stored [out, in] as the checkpoint stores them: the checkpoint name reads its rows of the fused
+    # leaf, as does the unfused path; the fused path reads the leaf
     np.testing.assert_array_equal(engine.get_weights_by_name("model.layers.1.self_attn.q_proj.weight", 5), q[:5])
     np.testing.assert_array_equal(engine.get_weights_by_name("layers.1.q", None), q)
+    np.testing.assert_array_equal(engine.get_weights_by_name("layers.1.qkv", None), qkv)
     engine.scheduler.check_pages()
 
 
@@ -370,7 +373,7 @@ def test_http_weight_updates(client, engine, prompts, originals, perturbed, expe
     out = _generate(client, prompts[1], GREEDY)
     assert out["output_ids"] == expected["perturbed"][1] and out["meta_info"]["weight_version"] == "h1"
     assert client.get("/get_weight_version").json() == {"weight_version": "h1"}
-    bad = encode_tensors({"layers.0.q": originals["layers.0.q"], "layers.0.v": np.zeros((3, 3), np.float32)})
+    bad = encode_tensors({"layers.0.qkv": originals["layers.0.qkv"], "layers.0.v": np.zeros((3, 3), np.float32)})
     r = client.post("/update_weights_from_tensor", json={"serialized_named_tensors": bad, "weight_version": "no"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "serialized_named_tensors", r.text
     assert "'layers.0.v': shape (3, 3)" in r.json()["error"]["message"]

@@ -83,7 +83,7 @@ class Engine(Rounds, RequestInputs, EngineInfo, Profiling, WeightUpdates, PauseG
         log.info("loading %s on %s (%d device%s), %s", self.model_path, jax.default_backend(), jax.device_count(),
                  "" if jax.device_count() == 1 else "s", o.dtype)
         loaded = load_model(self.model_path, dtype=o.dtype, block_size=o.block_size, mask_token_id=o.mask_token_id,
-                            progress=self.progress)
+                            progress=self.progress, tp_shards=o.tensor_parallel_size)
         self.config = cfg = loaded.config
         self.tokenizer = loaded.tokenizer
         self.default_sampling_params = sampling_defaults(self.model_path, o.sampling_defaults, cfg.vocab_size)

@@ -63,7 +63,7 @@ class WeightUpdates:
                                    abort_all_requests: bool = False) -> dict:
         """Replace the leaves ``named_tensors`` name (a dict name -> array or a list of (name, array); numpy, JAX or
         CPU torch arrays of a floating dtype, cast to the leaf's; names: this family's checkpoint names or our
-        parameter paths such as ``layers.3.q``). The others keep their values. Returns as
+        parameter paths such as ``layers.3.qkv``, or ``layers.3.q`` for its q rows). The others keep their values. Returns as
         :meth:`update_weights_from_disk`."""
         self._check_updatable("update_weights_from_tensor", weight_version)
         start = time.perf_counter()

@@ -1,9 +1,12 @@
 """Checkpoint tensor names <-> our pytree, both ways, derived from the parameter table's names.
 
 A checkpoint tensor maps to one or more *parts* (:class:`Part`): a leaf of our pytree (``path``), optionally one
-expert row of a stacked ``[E, ...]`` leaf, and the conversion from the checkpoint's array. Matrices are stored as
-the checkpoints store them (``[out, in]``, :mod:`dllm_jax.model.params`), so a tensor is used as it is (``ID``) or,
-fused, split by rows in table order: a part is always a copy of the checkpoint's bytes, never a transpose.
+expert row of a stacked ``[E, ...]`` leaf, optionally one segment of a fused leaf (``q_proj`` in ``qkv``: its rows,
+placed in the leaf's shard blocks, :mod:`dllm_jax.model.fused`), and the conversion from the checkpoint's array.
+Matrices are stored as the checkpoints store them (``[out, in]``, :mod:`dllm_jax.model.params`), so a tensor is used
+as it is (``ID``) or, fused in the checkpoint, split by rows: a part is always a copy of the checkpoint's bytes,
+never a transpose. A checkpoint tensor that is a whole fused leaf in its layout (LLaDA2's ``query_key_value`` on one
+shard) is one part, one copy.
 Besides the names, a family's layout has a few rules of its own (:data:`LAYOUTS`): which names only a sparse (MoE)
 layer may hold, and which it refuses outright.
 """
@@ -14,18 +17,21 @@ import dataclasses
 import functools
 import re
 
+import jax
 import numpy as np
 
 from dllm_jax.config import ModelConfig
 from dllm_jax.model import gemma_params
+from dllm_jax.model.fused import fused_groups, segment_rows, split_fused
 from dllm_jax.model.params import DENSE, LAYER, MOE, TABLES, TOP, Leaf, Params, get_leaf, param_table
 
 
 @dataclasses.dataclass(frozen=True)
 class Part:
-    path: tuple  # ("embed",), ("layers", i, "q"), ("layers", i, "moe", "gate")
+    path: tuple  # ("embed",), ("layers", i, "qkv"), ("layers", i, "moe", "gate_up")
     expert: int | None  # None: the whole leaf; e: row e of a stacked [E, ...] leaf
     convert: tuple  # a conversion spec (see convert): hashable, so one jitted function serves every tensor
+    segment: int | None = None  # None: the whole leaf; j: segment j of a fused leaf (its rows, in shard blocks)
 
 
 class Unsupported(Exception):
@@ -84,9 +90,9 @@ _PREFIX = "model.layers.{i}."
 class _Index:
     """A family's names, for lookup: exact names (fused leaves in table order) and per-expert patterns."""
 
-    top: dict[str, list[Leaf]]
-    layer: dict[str, list[Leaf]]  # LAYER, DENSE and MOE leaves, by name relative to the layer
-    experts: list[tuple[re.Pattern, Leaf]]
+    top: dict[str, list[tuple[Leaf, int | None]]]  # (row, segment or None)
+    layer: dict[str, list[tuple[Leaf, int | None]]]  # LAYER, DENSE and MOE leaves, by name relative to the layer
+    experts: list[tuple[re.Pattern, Leaf, int | None]]
 
 
 @functools.lru_cache(maxsize=None)
@@ -95,11 +101,13 @@ def _index(family: str) -> _Index:
     layer: dict[str, list[Leaf]] = {}
     experts = []
     for leaf in TABLES[family].leaves:
-        for name in leaf.hf_names(family):
-            if "{e}" in name:
-                experts.append((re.compile("^" + re.escape(name).replace(r"\{e\}", r"(\d+)") + "$"), leaf))
-            else:
-                (top if leaf.where == TOP else layer).setdefault(name, []).append(leaf)
+        named = [(j, seg.names.get(family, ())) for j, seg in enumerate(leaf.segments)] or [(None, leaf.hf_names(family))]
+        for j, names in named:
+            for name in names:
+                if "{e}" in name:
+                    experts.append((re.compile("^" + re.escape(name).replace(r"\{e\}", r"(\d+)") + "$"), leaf, j))
+                else:
+                    (top if leaf.where == TOP else layer).setdefault(name, []).append((leaf, j))
     return _Index(top, layer, experts)
 
 
@@ -109,20 +117,22 @@ def _path(leaf: Leaf, layer: int | None) -> tuple:
     return ("layers", layer, "moe", leaf.key) if leaf.where == MOE else ("layers", layer, leaf.key)
 
 
-def _parts(cfg: ModelConfig, leaves: list[Leaf], layer: int | None) -> list[Part]:
-    """The parts of one (non per-expert) checkpoint tensor that fills ``leaves`` (several: a fused tensor, split
-    along its out axis: the rows of a matrix or bias, axis 1 of a stacked ``[E, out, in]`` expert tensor)."""
-    if len(leaves) == 1:
-        return [Part(_path(leaves[0], layer), None, ID)]
+def _parts(cfg: ModelConfig, entries: list[tuple[Leaf, int | None]], layer: int | None) -> list[Part]:
+    """The parts of one (non per-expert) checkpoint tensor that fills ``entries`` (several: a fused tensor, split
+    along its out axis: the rows of a matrix or bias, axis 1 of a stacked ``[E, out, in]`` expert tensor). A tensor
+    that is every segment of one fused leaf, in order, on one shard block is the leaf itself: one part, as stored."""
+    leaf0, seg0 = entries[0]
+    if len(entries) == 1:
+        return [Part(_path(leaf0, layer), None, ID, seg0)]
+    whole = all(leaf is leaf0 for leaf, _ in entries) and [j for _, j in entries] == list(range(len(leaf0.segments)))
+    if whole and fused_groups(cfg, leaf0) == 1:
+        return [Part(_path(leaf0, layer), None, ID)]
     parts, lo = [], 0
-    for leaf in leaves:
-        if leaf.where == MOE and len(leaf.shape) == 3:  # [E, out, in] tensors concatenated along out
-            hi = lo + leaf.shape_for(cfg)[1]
-            parts.append(Part(_path(leaf, layer), None, ("mid", lo, hi)))
-        else:  # [out, in] (or [out]) tensors concatenated along out
-            hi = lo + leaf.shape_for(cfg)[0]
-            parts.append(Part(_path(leaf, layer), None, ("rows", lo, hi)))
-        lo = hi
+    for leaf, j in entries:
+        rows = segment_rows(cfg, leaf, j) if j is not None else leaf.shape_for(cfg)[leaf.row_axis]
+        kind = "mid" if leaf.row_axis == 1 else "rows"  # [E, out, in] tensors concatenated along out
+        parts.append(Part(_path(leaf, layer), None, (kind, lo, lo + rows), j))
+        lo += rows
     return parts
 
 
@@ -149,8 +159,8 @@ def hf_tensor_parts(cfg: ModelConfig, name: str) -> list[Part] | None:
         raise Unsupported("is an MLP bias; MLP biases are not supported (LLaDA2 checkpoints have none)")
     sparse = cfg.is_moe_layer(i)
     leaves = index.layer.get(suffix)
-    if leaves and leaves[0].where in (LAYER, DENSE):
-        if leaves[0].where == DENSE and sparse:
+    if leaves and leaves[0][0].where in (LAYER, DENSE):
+        if leaves[0][0].where == DENSE and sparse:
             hint = f" (first_k_dense_replace={min(cfg.moe_layers)})" if layout.dense_hint else ""
             raise Unsupported(f"is a dense MLP weight but config.json makes layer {i} a sparse (MoE) layer{hint}")
         return _parts(cfg, leaves, i)
@@ -159,10 +169,10 @@ def hf_tensor_parts(cfg: ModelConfig, name: str) -> list[Part] | None:
                           f"({layout.sparse_hint})")
     if leaves:
         return _parts(cfg, leaves, i)
-    for pattern, leaf in index.experts:
+    for pattern, leaf, j in index.experts:
         m = pattern.match(suffix)
         if m:
-            return [Part(_path(leaf, i), int(m.group(1)), ID)]
+            return [Part(_path(leaf, i), int(m.group(1)), ID, j)]
     return None
 
 
@@ -217,16 +227,21 @@ def _gemma_parts(cfg: ModelConfig, name: str) -> list[Part] | None:
 
 def expected_hf_shape(cfg: ModelConfig, shapes: Params, parts: list[Part]) -> tuple:
     """The shape the checkpoint tensor must have for ``parts`` (from config.json), for the mismatch message."""
-    out = []
-    for part in parts:
-        leaf = tuple(get_leaf(shapes, part.path))
-        if part.expert is not None:
-            leaf = leaf[1:]
-        out.append(stored_shape(part.convert, leaf))
+    out = [stored_shape(part.convert, part_shape(cfg, shapes, part)) for part in parts]
     if len(out) == 1:
         return out[0]
     axis = 1 if parts[0].convert[0] == "mid" else 0  # fused: concatenated along the checkpoint's out axis
     return out[0][:axis] + (sum(s[axis] for s in out),) + out[0][axis + 1:]
+
+
+def part_shape(cfg: ModelConfig, shapes: Params, part: Part) -> tuple:
+    """The shape ``part`` fills: its leaf's, or its segment's rows of it; without the expert axis for one expert."""
+    shape = tuple(get_leaf(shapes, part.path))
+    if part.segment is not None:
+        leaf = param_table(cfg).leaf(part.path, cfg)
+        ax = leaf.row_axis
+        shape = shape[:ax] + (segment_rows(cfg, leaf, part.segment),) + shape[ax + 1:]
+    return shape[1:] if part.expert is not None else shape
 
 
 def stored_shape(spec: tuple, leaf_shape: tuple) -> tuple:
@@ -248,10 +263,11 @@ def unconvert(spec: tuple, a):
     return a
 
 
-def hf_name_for(cfg: ModelConfig, path: tuple, expert: int | None = None) -> str:
-    """The checkpoint tensor name that fills our leaf ``path`` (row ``expert`` of a stacked leaf): for messages."""
+def hf_name_for(cfg: ModelConfig, path: tuple, expert: int | None = None, segment: int | None = None) -> str:
+    """The checkpoint tensor name that fills our leaf ``path`` (row ``expert`` of a stacked leaf, segment
+    ``segment`` of a fused one): for messages."""
     leaf = param_table(cfg).leaf(path, cfg)
-    names = leaf.hf_names(cfg.family)
+    names = leaf.segments[segment].names.get(cfg.family, ()) if segment is not None else leaf.hf_names(cfg.family)
     if not names:
         return ".".join(str(p) for p in path) + f" (no {cfg.family} checkpoint name)"
     name = names[0].replace("{e}", "*" if expert is None else str(expert))
@@ -264,36 +280,29 @@ def hf_name_for(cfg: ModelConfig, path: tuple, expert: int | None = None) -> str
     return _PREFIX.format(i=path[1]) + name
 
 
-def params_to_hf(params: Params, cfg: ModelConfig | None = None) -> dict[str, np.ndarray]:
+def params_to_hf(params: Params, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Our pytree -> checkpoint state dict (numpy, ``[out, in]`` matrices, as stored) in the layout of ``cfg``'s
     family.
 
-    Without ``cfg`` the Qwen3 layout is written. MoE experts are written one tensor per expert (what
-    transformers' ``save_pretrained`` writes); fused tensors (LLaDA2's ``query_key_value``) are fused back.
+    MoE experts are written one tensor per expert (what transformers' ``save_pretrained`` writes); fused leaves are
+    written as their checkpoint tensors (``q_proj``, ...; LLaDA2's ``query_key_value`` as one).
     """
-    family = cfg.family if cfg is not None else "qwen3"
-    table = param_table(cfg)
+    family = cfg.family
+    unfused = split_fused(cfg, jax.tree.map(np.asarray, params))
     groups: dict[str, list[np.ndarray]] = {}  # name -> its parts, in table order (several: a fused tensor)
-
-    def walk(tree, layer: int | None, wheres):
-        for leaf in table.leaves:
-            if leaf.where not in wheres or leaf.key not in tree or not leaf.hf_names(family):
+    for path, leaf in param_table(cfg).paths(cfg):  # table order: a fused tensor's parts in order
+        named = [(path[:-1] + (seg.key,), seg.names.get(family, ())) for seg in leaf.segments] or \
+            [(path, leaf.hf_names(family))]
+        for upath, names in named:
+            if not names:
                 continue
-            name = leaf.hf_names(family)[0]
-            prefix = "" if layer is None else _PREFIX.format(i=layer)
-            a = np.asarray(tree[leaf.key])
+            name = names[0] if leaf.where == TOP else _PREFIX.format(i=path[1]) + names[0]
+            a = get_leaf(unfused, upath)
             if "{e}" in name:
                 for e in range(a.shape[0]):
-                    groups.setdefault(prefix + name.replace("{e}", str(e)), []).append(a[e])
+                    groups.setdefault(name.replace("{e}", str(e)), []).append(a[e])
             else:
-                groups.setdefault(prefix + name, []).append(a)
-
-    walk(params, None, (TOP,))
-    for i, layer in enumerate(params["layers"]):
-        walk(layer, i, (LAYER, DENSE))
-        if "moe" in layer:
-            walk(layer["moe"], i, (MOE,))
+                groups.setdefault(name, []).append(a)
     # A fused tensor concatenates its parts along the checkpoint's out axis (after the expert axis, if stacked).
     return {name: np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=parts[0].ndim - 2))
             for name, parts in groups.items()}
-

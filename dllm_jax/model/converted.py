@@ -2,10 +2,11 @@
 Orbax, still read) and Hugging Face directories in a family's published layout (:func:`save_hf`).
 
 A converted directory holds config and tokenizer files (never the source directory's ``.py`` files), ``params/``
-with one tensor per leaf named by its pytree path (``layers.3.moe.gate``) in our layout (matrices ``[out, in]`` as
-in the checkpoints, fused tensors split, a ``norm_head`` head normalised) and dtype, and the marker file naming the
-format and its version. Version 1 (and the Orbax format) stored matrices ``[in, out]``; they still load, their
-matrices transposed on the way in.
+with one tensor per leaf named by its pytree path (``layers.3.moe.gate_up``) in our layout (matrices ``[out, in]`` as
+in the checkpoints, q|k|v and gate|up fused in one shard block's row order, a ``norm_head`` head normalised) and
+dtype, and the marker file naming the format and its version. Version 2 stored q / k / v and gate / up as separate
+leaves (``layers.3.q``), version 1 (and the Orbax format) also stored matrices ``[in, out]``; they still load, each
+segment copied into its fused leaf, version-1 matrices transposed on the way in.
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ import numpy as np
 from dllm_jax.config import ModelConfig
 from dllm_jax.model.checkpoint_names import params_to_hf
 from dllm_jax.model.errors import CheckpointError
-from dllm_jax.model.params import Params, abstract_params, key_path, param_dtypes, path_name
+from dllm_jax.model.fused import join_fused, split_fused, unfused_rows
+from dllm_jax.model.params import Params, abstract_params, get_leaf, key_path, param_dtypes, path_name
 from dllm_jax.model.safetensors_io import write_sharded
 from dllm_jax.model.tokenizer import TOKENIZER_FILES
 
 ORBAX_PARAMS_DIR = "params"  # (the name dates from the Orbax format; the safetensors one keeps it)
 ORBAX_MARKER = "dllm_jax_checkpoint.json"
 CONVERTED_FORMAT = "dllm-jax-safetensors"
-CONVERTED_VERSION = 2  # 2: matrices [out, in] (the parameter table's layout); 1: [in, out]
+CONVERTED_VERSION = 3  # 3: q|k|v, gate|up fused; 2: matrices [out, in] (the parameter table's layout); 1: [in, out]
 ORBAX_FORMAT = "orbax-standard"
 CONVERTED_SHARD_BYTES = 2 << 30
 
@@ -53,14 +55,12 @@ def converted_version(model_dir: str) -> int:
 
 
 def transpose_v1_matrices(params: Params, cfg: ModelConfig) -> Params:
-    """A version-1 pytree (matrices ``[in, out]``) in the current layout: each matrix leaf's last two axes
-    swapped."""
-    from dllm_jax.model.params import param_table
-
-    table = param_table(cfg)
+    """A version-1 pytree (unfused naming, matrices ``[in, out]``) with each matrix leaf's last two axes swapped
+    (its own inverse)."""
+    rows = unfused_rows(cfg)
 
     def swap(path, x):
-        if not table.leaf(key_path(path), cfg).matrix:
+        if not get_leaf(rows, key_path(path))[0].matrix:
             return x
         if isinstance(x, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(x.shape[:-2] + (x.shape[-1], x.shape[-2]), x.dtype)
@@ -69,12 +69,16 @@ def transpose_v1_matrices(params: Params, cfg: ModelConfig) -> Params:
 
 
 def save_converted(model_dir: str, params: Params, out_dir: str, *, max_shard_bytes: int = CONVERTED_SHARD_BYTES,
-                   progress: bool = False) -> None:
+                   progress: bool = False, cfg: ModelConfig | None = None) -> None:
     """Write ``out_dir``: config and tokenizer files (never the directory's ``.py`` files) plus ``params/``, our
-    pytree in sharded safetensors named by path (``layers.3.q``), in our layout (``[out, in]`` matrices, fused
+    pytree in sharded safetensors named by path (``layers.3.qkv``), in our layout (``[out, in]`` matrices, fused
     tensors split, a ``norm_head`` head normalised) and dtype. Written one tensor at a time from the device arrays
-    (a host copy of one tensor at a time on an accelerator, none on CPU)."""
+    (a host copy of one tensor at a time on an accelerator, none on CPU). Fused leaves are written in one shard
+    block's row order: ``cfg`` (the params' config) when they were laid out for more shards."""
     from tqdm import tqdm
+
+    if cfg is not None and cfg.tp_shards > 1:
+        params = join_fused(cfg.replace(tp_shards=1), split_fused(cfg, params))
 
     out_dir = os.path.abspath(out_dir)
     os.makedirs(os.path.join(out_dir, ORBAX_PARAMS_DIR), exist_ok=True)
@@ -115,7 +119,7 @@ def save_orbax(model_dir: str, params: Params, out_dir: str) -> None:
     ckpt = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(save_concurrent_gb=1, restore_concurrent_gb=1,
                                                         use_compression=False))
     cfg = ModelConfig.from_model_dir(model_dir)
-    params = transpose_v1_matrices(params, cfg)  # (its own inverse)
+    params = transpose_v1_matrices(split_fused(cfg, params), cfg)  # the format's naming and orientation
     try:
         ckpt.save(os.path.join(out_dir, ORBAX_PARAMS_DIR), args=ocp.args.PyTreeSave(params), force=True)
     finally:
@@ -133,7 +137,8 @@ def load_orbax_params(model_dir: str, cfg: ModelConfig, dtype) -> Params:
         stored = json.load(f).get("dtypes", ["float32"])
     # Routing leaves are always float32 (the table's dtype rule); the others share one stored dtype.
     stored_dtype = jnp.bfloat16 if "bfloat16" in stored else jnp.dtype(stored[0]) if len(stored) == 1 else jnp.float32
-    abstract = transpose_v1_matrices(abstract_params(cfg, stored_dtype), cfg)  # [in, out] as stored
+    unfused = jax.eval_shape(lambda p: split_fused(cfg, p), abstract_params(cfg, stored_dtype))
+    abstract = transpose_v1_matrices(unfused, cfg)  # unfused, [in, out] as stored
     ckpt = ocp.StandardCheckpointer(restore_concurrent_gb=1)  # host copies in flight: ~1 GB, not the model
     try:
         params = ckpt.restore(path, abstract)
@@ -141,7 +146,7 @@ def load_orbax_params(model_dir: str, cfg: ModelConfig, dtype) -> Params:
         raise CheckpointError(f"{path}: cannot restore Orbax checkpoint ({e})") from e
     finally:
         ckpt.close()
-    params = transpose_v1_matrices(params, cfg)
+    params = join_fused(cfg, transpose_v1_matrices(params, cfg))
     return jax.tree.map(lambda x, d: jnp.asarray(x, d), params, param_dtypes(cfg, dtype))
 
 

@@ -69,12 +69,15 @@ def _with_block_and_eos(cfg: ModelConfig, model_dir: str, tokenizer, block_size,
 
 
 def load_model(model_dir: str, *, dtype="float32", block_size=None, mask_token_id=None,
-               progress: bool = False) -> LoadedModel:
+               progress: bool = False, tp_shards: int = 1) -> LoadedModel:
+    """``tp_shards``: the tensor-parallel degree the model will be sharded over; the fused leaves are laid out for
+    it (:mod:`dllm_jax.model.fused`), and the returned config carries it."""
     model_dir = os.fspath(model_dir)
     if not os.path.isdir(model_dir):
         raise CheckpointError(f"{model_dir}: model directory not found")
     tokenizer = load_tokenizer(model_dir)
     cfg = resolve_config(model_dir, tokenizer, block_size=block_size, mask_token_id=mask_token_id)
+    cfg = cfg.replace(tp_shards=max(1, int(tp_shards)))
     if tokenizer is not None and not getattr(tokenizer, "chat_template", None):
         template = family_of(cfg).chat_template
         if template is not None:  # e.g. LLaDA2 checkpoints whose tokenizer ships no template

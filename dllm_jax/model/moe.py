@@ -17,7 +17,8 @@ no capacity limit and nothing is dropped, so a token's output depends only on th
 the batch), and every shape is static (``N * k`` rows) under ``jit``. Shared experts, if any, run as one dense
 SwiGLU and are added unscaled.
 
-Expert weights are stacked ``[E, out, in]`` (each expert's matrix as the checkpoint stores it) so a later ``expert``
+Expert weights are stacked ``[E, out, in]`` (each expert's matrix as the checkpoint stores it; gate|up fused into one
+``gate_up`` leaf, :mod:`dllm_jax.model.fused`) so a later ``expert``
 mesh axis can shard their leading axis; like every matrix here they are contracted on their last axis.
 """
 
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from dllm_jax.config import ModelConfig
+from dllm_jax.model.fused import fused_axis_groups
 
 
 def contract(x, w):
@@ -51,9 +53,20 @@ def linear(x, w):
     return contract(x, w).astype(x.dtype)
 
 
-def swiglu(x, gate, up, down):
-    """Dense SwiGLU MLP ``down(silu(gate x) * (up x))`` (products accumulated in float32)."""
-    return linear(jax.nn.silu(linear(x, gate)) * linear(x, up), down)
+def split_gate_up(y, cfg: ModelConfig, axis: str = "gate_up"):
+    """The gate and up halves of a fused gate|up product ``y [..., 2I]`` (shard-major rows,
+    :mod:`dllm_jax.model.fused`: ``[..., g, 2, I/g]``), each ``[..., I]``."""
+    lead = y.shape[:-1]
+    g = fused_axis_groups(cfg, axis, y.shape[-1])
+    y = y.reshape(*lead, g, 2, -1)
+    return y[..., 0, :].reshape(*lead, -1), y[..., 1, :].reshape(*lead, -1)
+
+
+def swiglu(x, gate_up, down, cfg: ModelConfig):
+    """Dense SwiGLU MLP ``down(silu(gate x) * (up x))`` over the fused ``gate_up`` leaf: one matmul for both
+    (products accumulated in float32)."""
+    gate, up = split_gate_up(linear(x, gate_up), cfg)
+    return linear(jax.nn.silu(gate) * up, down)
 
 
 def router_logits(moe, x, cfg: ModelConfig):
@@ -98,15 +111,17 @@ _RAGGED_OUT_IN = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((1,),
                                                    lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
 
-def grouped_experts(moe, x, expert_ids, activation=jax.nn.silu):
+def grouped_experts(moe, x, expert_ids, activation=jax.nn.silu, cfg: ModelConfig | None = None):
     """Every (token, chosen expert) pair's gated-MLP output ``down(act(x @ gate) * (x @ up))``, ``[N, k, H]``, via
     a grouped matmul (``activation``: SiLU for SwiGLU experts; DiffusionGemma's are tanh-GELU).
 
     x ``[N, H]``, expert_ids ``[N, k]``. Rows are sorted by expert (stable), ``ragged_dot`` runs each expert
     on its contiguous run of rows, and the inverse permutation puts the results back in (token, slot) order.
+    ``moe`` holds ``gate_up`` (fused, one grouped matmul for both; ``cfg`` gives its layout) and ``down``, or
+    (DiffusionGemma's unfused experts) ``gate``, ``up`` and ``down``.
     """
     num_tokens, k = expert_ids.shape
-    num_experts = moe["gate"].shape[0]
+    num_experts = moe["down"].shape[0]
     flat_ids = expert_ids.reshape(-1)
     order = jnp.argsort(flat_ids, stable=True)
     group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat_ids].add(1)
@@ -115,8 +130,10 @@ def grouped_experts(moe, x, expert_ids, activation=jax.nn.silu):
         return jax.lax.ragged_dot_general(a, w.astype(x.dtype), group_sizes, _RAGGED_OUT_IN,
                                           preferred_element_type=jnp.float32).astype(x.dtype)
 
-    gate = rdot(rows, moe["gate"])
-    up = rdot(rows, moe["up"])
+    if "gate_up" in moe:
+        gate, up = split_gate_up(rdot(rows, moe["gate_up"]), cfg, "expert_gate_up")
+    else:
+        gate, up = rdot(rows, moe["gate"]), rdot(rows, moe["up"])
     out = rdot(activation(gate) * up, moe["down"])
     inverse = jnp.argsort(order)  # a gather back to (token, slot) order: no scatter-add, fixed summation order
     return out[inverse].reshape(num_tokens, k, -1)
@@ -127,8 +144,8 @@ def moe_mlp(moe, x, cfg: ModelConfig):
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
     expert_ids, weights = route(router_logits(moe, flat, cfg), cfg, moe.get("expert_bias"))
-    per_expert = grouped_experts(moe, flat, expert_ids)  # [N, k, H]
+    per_expert = grouped_experts(moe, flat, expert_ids, cfg=cfg)  # [N, k, H]
     out = jnp.einsum("nkh,nk->nh", per_expert.astype(jnp.float32), weights).astype(x.dtype)
-    if "shared_gate" in moe:
-        out = out + swiglu(flat, moe["shared_gate"], moe["shared_up"], moe["shared_down"])
+    if "shared_gate_up" in moe:
+        out = out + swiglu(flat, moe["shared_gate_up"], moe["shared_down"], cfg)
     return out.reshape(*lead, -1)

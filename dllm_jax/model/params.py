@@ -10,15 +10,26 @@ they share one pytree and one table, :data:`DECODER`. A row (:class:`Leaf`) says
 * its **dtype rule** (routing inputs stay float32 whatever the model's dtype) and how :func:`init_params` fills it;
 * its **checkpoint names** in each family's published layout: ``"qwen3"`` (SDAR, SDAR-MoE, Qwen3(-MoE)) and
   ``"llada2"`` (LLaDA2 / Bailing). Layer names are relative to ``model.layers.{i}.``; ``{e}`` is an expert index
-  (one tensor per expert, stacked here on the leading axis). Leaves that share a name are one fused tensor, split
-  in table order (LLaDA2's ``query_key_value``; transformers 5's ``gate_up_proj``). The first name is the one
-  written; the others are also read.
+  (one tensor per expert, stacked here on the leading axis). The first name is the one written; the others are
+  also read.
+
+**Fused leaves.** q|k|v is one leaf per layer, ``qkv [Q + 2*KV, H]`` (and ``qkv_bias``), and gate|up one,
+``gate_up [2*I, H]`` (the shared experts' ``shared_gate_up [2*S, H]``, the routed experts' ``gate_up [E, 2*M, H]``),
+so the forward runs one matmul where it ran three / two. Such a row lists its **segments** (:class:`Segment`), one
+per checkpoint tensor (``q_proj``, ``k_proj``, ``v_proj``; ``gate_proj``, ``up_proj``) with its rows and names; each
+checkpoint tensor is copied into its segment's rows. Segments that share a name are one fused checkpoint tensor
+(LLaDA2's ``query_key_value``, transformers 5's ``gate_up_proj``): on one shard block that tensor IS the leaf (one
+copy). The rows are laid out **shard-major** for tensor parallelism: with ``g`` blocks (``ModelConfig.tp_shards``,
+the engine's TP degree, when every shard gets whole q and KV heads / equal MLP halves; else 1), block ``s`` is
+``[q_s; k_s; v_s]`` (``[gate_s; up_s]``), so splitting the out axis over ``g`` shards gives each shard its own heads
+(a plain ``[q; k; v]`` split over shards would not). :mod:`dllm_jax.model.fused` holds that layout; the unfused
+names (``layers.0.q``: the leaves before fusion) still name their segments.
 
 Projection matrices (``matrix=True``) are stored as the checkpoints store them, ``[out, in]`` (stacked experts
 ``[E, out, in]``; the LM head ``[V, H]`` like the embedding), and the forward contracts their last axis
 (:func:`dllm_jax.model.moe.linear`): XLA:GPU / cuBLAS and XLA:CPU take that operand order without a copy (on CPU it
 measured as fast or faster than ``[in, out]``, bench/RESULTS.md), so loading a checkpoint is a copy of each tensor,
-never a transpose. A fused checkpoint tensor is split by rows (its out axis), which is a copy too.
+never a transpose. A checkpoint tensor goes to its rows of a fused leaf (its shard blocks), a copy too.
 
 Everything else derives from these rows: :func:`param_shapes`, :func:`param_dtypes`, :func:`init_params` and
 :func:`abstract_params` (what ``jax.eval_shape`` of the initialiser gives, without tracing it), the sharding axes
@@ -50,6 +61,10 @@ DIMS: dict[str, Callable[[ModelConfig], int]] = {
     "E": lambda c: c.num_experts,
     "M": lambda c: c.moe_intermediate_size,  # one expert's SwiGLU
     "S": lambda c: c.shared_intermediate_total,  # all shared experts, fused as one SwiGLU
+    "QKV": lambda c: c.q_size + 2 * c.kv_size,  # fused q|k|v rows
+    "2I": lambda c: 2 * c.intermediate_size,  # fused gate|up rows (dense, routed, shared)
+    "2M": lambda c: 2 * c.moe_intermediate_size,
+    "2S": lambda c: 2 * c.shared_intermediate_total,
     # DiffusionGemma's full-attention layers (their own head dim and KV heads)
     "GD": lambda c: c.global_head_dim,
     "GQ": lambda c: c.num_heads * c.global_head_dim,
@@ -59,6 +74,16 @@ DIMS: dict[str, Callable[[ModelConfig], int]] = {
 
 TOP, LAYER, DENSE, MOE = "top", "layer", "dense", "moe"  # where a leaf lives (DENSE / MOE: by the layer's MLP)
 FAMILIES = ("qwen3", "llada2")  # checkpoint layouts of the decoder table (ModelConfig.family)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """One checkpoint tensor's rows inside a fused leaf (``q`` of ``qkv``, ``gate`` of ``gate_up``): its key (the
+    name the leaf had before fusion, still accepted as a path, ``layers.0.q``), its rows, its checkpoint names."""
+
+    key: str
+    rows: str  # DIMS symbol
+    names: dict[str, tuple[str, ...]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +97,7 @@ class Leaf:
     matrix: bool = False  # a projection matrix, stored [out, in] ([E, out, in]) as the checkpoints store it
     present: Callable[[ModelConfig], bool] | None = None  # None: always
     float32: Callable[[ModelConfig], bool] | None = None  # kept float32 whatever the model dtype (None: never)
+    segments: tuple[Segment, ...] = ()  # a fused leaf's parts, in canonical (single-shard) row order
 
     def exists(self, cfg: ModelConfig) -> bool:
         return self.present is None or bool(self.present(cfg))
@@ -88,15 +114,30 @@ class Leaf:
         return "moe." + self.key if self.where == MOE else self.key
 
     def hf_names(self, family: str) -> tuple[str, ...]:
+        """Its checkpoint names (a fused leaf's: its segments', each once, in order)."""
+        if self.segments:
+            return tuple(dict.fromkeys(n for seg in self.segments for n in seg.names.get(family, ())))
         return self.names.get(family, ())
+
+    @property
+    def row_axis(self) -> int:
+        """The out axis its segments are stacked along (1 for stacked experts ``[E, out, in]``)."""
+        return 1 if len(self.shape) == 3 else 0
+
+
+def _names(names) -> dict[str, tuple[str, ...]]:
+    """``names``: one name for every family, or ``{family: name or (names...)}``."""
+    if isinstance(names, str):
+        names = {f: names for f in FAMILIES}
+    return {f: (n,) if isinstance(n, str) else tuple(n) for f, n in names.items()}
 
 
 def _leaf(key, where, shape, axes, init, names, **kw) -> Leaf:
-    """A row; ``names`` is one name for every family, or ``{family: name or (names...)}``."""
-    if isinstance(names, str):
-        names = {f: names for f in FAMILIES}
-    names = {f: (n,) if isinstance(n, str) else tuple(n) for f, n in names.items()}
-    return Leaf(key, where, tuple(shape.split()), tuple(axes), init, names, **kw)
+    return Leaf(key, where, tuple(shape.split()), tuple(axes), init, _names(names), **kw)
+
+
+def _seg(key, rows, names) -> Segment:
+    return Segment(key, rows, _names(names))
 
 
 _QKV, _QKV_BIAS = "attention.query_key_value.weight", "attention.query_key_value.bias"  # LLaDA2's fused q/k/v
@@ -115,23 +156,18 @@ DECODER_LEAVES: tuple[Leaf, ...] = (
           present=lambda c: not c.tie_word_embeddings),  # tied: the embedding serves (a stray head is ignored)
     _leaf("attn_norm",   LAYER, "H",     ("hidden",),                           "ones",
           "input_layernorm.weight"),
-    _leaf("q",           LAYER, "Q H",   ("q_heads", "hidden"),                 "normal",
-          {"qwen3": "self_attn.q_proj.weight", "llada2": _QKV}, matrix=True),
-    _leaf("k",           LAYER, "KV H",  ("kv_heads", "hidden"),                "normal",
-          {"qwen3": "self_attn.k_proj.weight", "llada2": _QKV}, matrix=True),
-    _leaf("v",           LAYER, "KV H",  ("kv_heads", "hidden"),                "normal",
-          {"qwen3": "self_attn.v_proj.weight", "llada2": _QKV}, matrix=True),
+    _leaf("qkv",         LAYER, "QKV H", ("qkv", "hidden"),                     "normal",
+          {}, matrix=True, segments=(
+              _seg("q", "Q", {"qwen3": "self_attn.q_proj.weight", "llada2": _QKV}),
+              _seg("k", "KV", {"qwen3": "self_attn.k_proj.weight", "llada2": _QKV}),
+              _seg("v", "KV", {"qwen3": "self_attn.v_proj.weight", "llada2": _QKV}))),
     _leaf("o",           LAYER, "H Q",   ("hidden", "q_heads"),                 "normal",
           {"qwen3": "self_attn.o_proj.weight", "llada2": "attention.dense.weight"}, matrix=True),
-    _leaf("q_bias",      LAYER, "Q",     ("q_heads",),                          "zeros",
-          {"qwen3": "self_attn.q_proj.bias", "llada2": _QKV_BIAS},
-          present=lambda c: c.attention_bias),
-    _leaf("k_bias",      LAYER, "KV",    ("kv_heads",),                         "zeros",
-          {"qwen3": "self_attn.k_proj.bias", "llada2": _QKV_BIAS},
-          present=lambda c: c.attention_bias),
-    _leaf("v_bias",      LAYER, "KV",    ("kv_heads",),                         "zeros",
-          {"qwen3": "self_attn.v_proj.bias", "llada2": _QKV_BIAS},
-          present=lambda c: c.attention_bias),
+    _leaf("qkv_bias",    LAYER, "QKV",   ("qkv",),                              "zeros",
+          {}, present=lambda c: c.attention_bias, segments=(
+              _seg("q_bias", "Q", {"qwen3": "self_attn.q_proj.bias", "llada2": _QKV_BIAS}),
+              _seg("k_bias", "KV", {"qwen3": "self_attn.k_proj.bias", "llada2": _QKV_BIAS}),
+              _seg("v_bias", "KV", {"qwen3": "self_attn.v_proj.bias", "llada2": _QKV_BIAS}))),
     _leaf("o_bias",      LAYER, "H",     ("hidden",),                           "zeros",
           {"llada2": "attention.dense.bias"},  # Bailing's ``use_bias``; Qwen3 has none
           present=lambda c: c.o_bias),
@@ -143,10 +179,9 @@ DECODER_LEAVES: tuple[Leaf, ...] = (
           present=lambda c: c.use_qk_norm),
     _leaf("mlp_norm",    LAYER, "H",     ("hidden",),                           "ones",
           "post_attention_layernorm.weight"),
-    _leaf("gate",        DENSE, "I H",   ("mlp", "hidden"),                     "normal",
-          "mlp.gate_proj.weight", matrix=True),
-    _leaf("up",          DENSE, "I H",   ("mlp", "hidden"),                     "normal",
-          "mlp.up_proj.weight", matrix=True),
+    _leaf("gate_up",     DENSE, "2I H",  ("gate_up", "hidden"),                 "normal",
+          {}, matrix=True, segments=(_seg("gate", "I", "mlp.gate_proj.weight"),
+                                     _seg("up", "I", "mlp.up_proj.weight"))),
     _leaf("down",        DENSE, "H I",   ("hidden", "mlp"),                     "normal",
           "mlp.down_proj.weight", matrix=True),
     _leaf("router",      MOE,   "E H",   ("router", "hidden"),                  "normal",
@@ -159,22 +194,20 @@ DECODER_LEAVES: tuple[Leaf, ...] = (
     # Experts stacked [E, out, in] (an ``expert`` mesh axis splits the leading axis); one tensor per expert in
     # the checkpoints (each copied into its row), or (transformers >= 5, Qwen3-MoE) 3D [E, out, in] tensors with
     # gate and up concatenated along out.
-    _leaf("gate",        MOE,   "E M H", ("experts", "expert_mlp", "hidden"),   "normal",
-          {"qwen3": (_EXPERT % "gate", _GATE_UP, _GATE_UP + ".weight"), "llada2": _EXPERT % "gate"},
-          matrix=True),
-    _leaf("up",          MOE,   "E M H", ("experts", "expert_mlp", "hidden"),   "normal",
-          {"qwen3": (_EXPERT % "up", _GATE_UP, _GATE_UP + ".weight"), "llada2": _EXPERT % "up"},
-          matrix=True),
+    _leaf("gate_up",     MOE,   "E 2M H", ("experts", "expert_gate_up", "hidden"), "normal",
+          {}, matrix=True, segments=(
+              _seg("gate", "M", {"qwen3": (_EXPERT % "gate", _GATE_UP, _GATE_UP + ".weight"),
+                                      "llada2": _EXPERT % "gate"}),
+              _seg("up", "M", {"qwen3": (_EXPERT % "up", _GATE_UP, _GATE_UP + ".weight"),
+                                    "llada2": _EXPERT % "up"}))),
     _leaf("down",        MOE,   "E H M", ("experts", "hidden", "expert_mlp"),   "normal",
           {"qwen3": (_EXPERT % "down", _DOWN3, _DOWN3 + ".weight"), "llada2": _EXPERT % "down"},
           matrix=True),
     # Shared experts (all of them fused as one SwiGLU, added unscaled).
-    _leaf("shared_gate", MOE,   "S H",   ("mlp", "hidden"),                     "normal",
-          "mlp.shared_experts.gate_proj.weight", matrix=True,
-          present=lambda c: c.num_shared_experts > 0),
-    _leaf("shared_up",   MOE,   "S H",   ("mlp", "hidden"),                     "normal",
-          "mlp.shared_experts.up_proj.weight", matrix=True,
-          present=lambda c: c.num_shared_experts > 0),
+    _leaf("shared_gate_up", MOE, "2S H", ("gate_up", "hidden"),                 "normal",
+          {}, matrix=True, present=lambda c: c.num_shared_experts > 0, segments=(
+              _seg("shared_gate", "S", "mlp.shared_experts.gate_proj.weight"),
+              _seg("shared_up", "S", "mlp.shared_experts.up_proj.weight"))),
     _leaf("shared_down", MOE,   "H S",   ("hidden", "mlp"),                     "normal",
           "mlp.shared_experts.down_proj.weight", matrix=True,
           present=lambda c: c.num_shared_experts > 0),
@@ -283,15 +316,24 @@ def abstract_params(cfg: ModelConfig, dtype) -> Params:
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
-    """Random parameters (norm weights one, biases zero, matrices N(0, std)); one key per leaf, in pytree order.
-    Matrices are drawn in the ``[in, out]`` orientation and transposed, so a seed gives the same model as before
-    matrices were stored ``[out, in]``."""
-    rows = param_table(cfg).tree(cfg, lambda leaf: leaf)
-    flat, treedef = jax.tree_util.tree_flatten(rows, is_leaf=lambda x: isinstance(x, Leaf))
+    """Random parameters (norm weights one, biases zero, matrices N(0, std)); one key per leaf of the unfused
+    naming, in its pytree order, fused afterwards. Matrices are drawn in the ``[in, out]`` orientation and
+    transposed, so a seed gives the same model as before matrices were stored ``[out, in]`` and before q|k|v and
+    gate|up were fused."""
+    def shape_of(leaf, j):
+        shape = leaf.shape_for(cfg)
+        if j is None:
+            return shape
+        return shape[:leaf.row_axis] + (segment_rows(cfg, leaf, j),) + shape[leaf.row_axis + 1:]
+
+    from dllm_jax.model.fused import join_fused, segment_rows, unfused_rows
+
+    rows = unfused_rows(cfg)
+    flat, treedef = jax.tree_util.tree_flatten(rows, is_leaf=lambda x: isinstance(x, tuple))
     keys = jax.random.split(key, len(flat))
     out = []
-    for leaf, k in zip(flat, keys):
-        shape, leaf_type = leaf.shape_for(cfg), leaf.dtype_for(cfg, dtype)
+    for (leaf, j), k in zip(flat, keys):
+        shape, leaf_type = shape_of(leaf, j), leaf.dtype_for(cfg, dtype)
         if leaf.init == "ones":
             out.append(jnp.ones(shape, leaf_type))
         elif leaf.init == "zeros":
@@ -301,7 +343,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float 
             out.append((std * jnp.swapaxes(drawn, -1, -2)).astype(leaf_type))
         else:
             out.append((std * jax.random.normal(k, shape, jnp.float32)).astype(leaf_type))
-    return jax.tree.unflatten(treedef, out)
+    return join_fused(cfg, jax.tree.unflatten(treedef, out))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -329,7 +371,7 @@ def has_leaf(tree, path: tuple) -> bool:
 
 
 def path_name(path: tuple) -> str:
-    """A leaf's name in a converted directory (``layers.3.moe.gate``); :func:`name_path` is the inverse."""
+    """A leaf's name in a converted directory (``layers.3.moe.gate_up``); :func:`name_path` is the inverse."""
     return ".".join(str(p) for p in path)
 
 

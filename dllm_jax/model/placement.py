@@ -21,11 +21,13 @@ import numpy as np
 
 from dllm_jax.config import ModelConfig
 from dllm_jax.model.checkpoint_names import (CHUNKABLE, COPIES, ID, T, T3, Part, Unsupported, convert,
-                                             expected_hf_shape, hf_name_for, hf_tensor_parts, stored_shape)
+                                             expected_hf_shape, hf_name_for, hf_tensor_parts, part_shape,
+                                             stored_shape)
 from dllm_jax.model.converted import CONVERTED_VERSION, ORBAX_MARKER, ORBAX_PARAMS_DIR
 from dllm_jax.model.errors import CheckpointError
-from dllm_jax.model.params import (Params, axes_key, get_leaf, has_leaf, key_path, name_path, param_dtypes,
-                                   param_shapes, param_table, path_name, set_leaf)
+from dllm_jax.model.fused import fused_groups, segment_alias, segment_blocks, segment_rows
+from dllm_jax.model.params import (Params, get_leaf, has_leaf, key_path, name_path, param_dtypes, param_shapes,
+                                   param_table, path_name, set_leaf)
 from dllm_jax.model.safetensors_io import SafetensorsFile, TensorInfo, safetensor_files
 
 log = logging.getLogger(__name__)
@@ -72,9 +74,39 @@ def _update_fn(spec: tuple):
 
 
 @functools.lru_cache(maxsize=None)
-def _set_expert_fn(spec: tuple):
-    """Write one expert's converted matrix into row ``e`` of its stacked leaf in place (donated)."""
-    return jax.jit(lambda stack, a, e: stack.at[e].set(convert(spec, a).astype(stack.dtype)), donate_argnums=0)
+def _write_fn(spec: tuple, expert: bool, blocks: tuple | None, row_axis: int):
+    """Write a converted tensor into its leaf in place (donated): into row ``e`` of a stacked leaf (``expert``),
+    and/or into a fused leaf's shard blocks (``blocks``: ``(leaf row, tensor row, count)`` along ``row_axis``,
+    :func:`dllm_jax.model.fused.segment_blocks`). Each block is a copy of the tensor's rows."""
+    def write(leaf, a, e):
+        value = convert(spec, a).astype(leaf.dtype)
+        value = value[None] if expert else value
+        for dst, src, n in blocks or ((0, 0, value.shape[row_axis]),):
+            starts = [jnp.zeros((), jnp.int32)] * leaf.ndim
+            starts[0] = e if expert else starts[0]
+            starts[row_axis] = jnp.int32(dst)
+            piece = jax.lax.slice_in_dim(value, src, src + n, axis=row_axis)
+            leaf = jax.lax.dynamic_update_slice(leaf, piece, starts)
+        return leaf
+    return jax.jit(write, donate_argnums=0)
+
+
+def part_writer(cfg: ModelConfig, part: Part):
+    """The in-place writer of an expert or segment part (see :func:`_write_fn`); called ``(leaf, tensor, e)``."""
+    leaf = param_table(cfg).leaf(part.path, cfg)
+    blocks = segment_blocks(cfg, leaf, part.segment) if part.segment is not None else None
+    return _write_fn(part.convert, part.expert is not None, blocks, leaf.row_axis)
+
+
+def missing_pieces(cfg: ModelConfig, shapes: Params, path: tuple, keys) -> list[tuple]:
+    """The ``(expert, segment)`` pieces of leaf ``path`` that ``keys`` (the pieces written, None: all) leave
+    unwritten: experts of a stacked leaf filled one tensor per expert, segments of a fused leaf."""
+    leaf = param_table(cfg).leaf(path, cfg)
+    per_expert = "{e}" in "".join(leaf.hf_names(cfg.family)) and not any(e is None for e, _ in keys)
+    experts = range(get_leaf(shapes, path)[0]) if per_expert else [None]
+    segments = range(len(leaf.segments)) if leaf.segments else [None]
+    return [(e, j) for e in experts for j in segments
+            if not any((ke is None or ke == e) and (kj is None or kj == j) for ke, kj in keys)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,7 +131,7 @@ class _Job:
     info: TensorInfo
     parts: list  # the _Parts this tensor fills
     targets: list  # their storage dtypes
-    mode: str  # "whole" (each part a slice of it, copied) | "convert" | "chunk" | "expert" (on the device)
+    mode: str  # "whole" (each part a slice of it, copied) | "convert" | "chunk" | "expert" | "fused" (on the device)
     first_row: int = 0
     rows: int | None = None  # None: all of it
     last: bool = True  # the tensor's last chunk
@@ -133,7 +165,8 @@ class _Placer:
     * A tensor that needs a cast (or, from a converted directory of format version 1, a transpose) is converted on
       the device by a jitted function reading the mapping; above ``CHUNK_BYTES`` it goes in chunks of rows written
       into a donated output, so the extra memory is a chunk.
-    * Expert matrices are written into their stacked ``[E, ...]`` leaf in place (donated updates).
+    * Expert matrices are written into their stacked ``[E, ...]`` leaf, and a fused leaf's segments (``q_proj`` into
+      ``qkv``) into its shard blocks, in place (donated updates: copies of the tensor's rows).
     Each job's mapped range is released from the process once its device work is done, so peak memory is the
     model plus the few tensors in flight.
     """
@@ -142,8 +175,8 @@ class _Placer:
         self.cfg = cfg
         self.mesh = mesh
         self.pending: dict[tuple, Any] = {}  # (chunked tensor, leaf) -> its output being filled
-        self.stacks: dict[tuple, Any] = {}  # stacked expert leaf path -> device array being filled
-        self.filled: dict[tuple, set] = {}  # ... -> experts written so far
+        self.stacks: dict[tuple, Any] = {}  # stacked expert / fused leaf path -> device array being filled
+        self.filled: dict[tuple, set] = {}  # ... -> (expert, segment) pieces written so far
         self.in_flight: list[tuple[_Job, list]] = []  # dispatched jobs and the device arrays to wait for
         device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
         self.host_platform = device.platform == "cpu"  # device arrays live in host memory
@@ -173,13 +206,13 @@ class _Placer:
             outputs.append(out)
         for part, target in zip(job.parts, job.targets) if job.mode != "whole" else ():
             leaf_shape = get_leaf(shapes, part.path)
-            if job.mode == "expert":
+            if job.mode in ("expert", "fused"):
                 if part.path not in self.stacks:
                     self.stacks[part.path] = _zeros_fn(leaf_shape, target, self.sharding(part.path, leaf_shape))()
                     self.filled[part.path] = set()
-                out = _set_expert_fn(part.convert)(self.stacks[part.path], host, jnp.int32(part.expert))
+                out = part_writer(self.cfg, part)(self.stacks[part.path], host, jnp.int32(part.expert or 0))
                 self.stacks[part.path] = out
-                self.filled[part.path].add(part.expert)
+                self.filled[part.path].add((part.expert, part.segment))
             elif job.mode == "chunk":
                 out = self.pending.pop((job.name, part.path), None)
                 if out is None:
@@ -255,7 +288,7 @@ def load_safetensors_params(model_dir: str, cfg: ModelConfig, dtype, *, progress
         for st in files:
             st.close()
     for leaf_path, stack in placer.stacks.items():
-        if len(placer.filled[leaf_path]) == get_leaf(shapes, leaf_path)[0]:
+        if not missing_pieces(cfg, shapes, leaf_path, placer.filled[leaf_path]):
             set_leaf(params, leaf_path, stack)
     if cfg.norm_head and "lm_head" in params and not ours:  # a converted head is stored normalised
         params["lm_head"] = _normalize_head_device(params["lm_head"], jnp.dtype(get_leaf(dtypes, ("lm_head",))))
@@ -301,25 +334,52 @@ def _plan(st: SafetensorsFile, name: str, info: TensorInfo, cfg: ModelConfig, sh
         targets.append(target)
     if parts[0].expert is not None:
         return [_Job(st, name, info, parts, targets, "expert")]
+    if any(p.segment is not None for p in parts):
+        return [_Job(st, name, info, parts, targets, "fused")]
     return _jobs(st, name, info, parts, targets)
 
 
 def _plan_ours(st: SafetensorsFile, name: str, info: TensorInfo, cfg: ModelConfig, shapes: Params,
                dtypes: Params, version: int = CONVERTED_VERSION) -> list[_Job]:
-    """Jobs for a tensor of a converted directory: named by its pytree path (``layers.3.moe.gate``), stored in our
-    layout, so it is used as stored (a dtype cast at most). ``version`` 1 directories stored matrices ``[in, out]``:
-    those are transposed on the way in."""
+    """Jobs for a tensor of a converted directory: named by its pytree path (``layers.3.moe.gate_up``), stored in
+    our layout on one shard block, so it is used as stored (a dtype cast at most); on more shard blocks a fused
+    leaf's segments go to their blocks. Format 2 stored q / k / v and gate / up apart (``layers.3.q``): each is
+    its segment of the fused leaf. ``version`` 1 directories stored matrices ``[in, out]``: those are transposed
+    on the way in."""
     path = name_path(name)
-    if not has_leaf(shapes, path) or not isinstance(get_leaf(shapes, path), tuple):
+    alias = segment_alias(cfg, path) if version < 3 else None
+    if alias is None and (not has_leaf(shapes, path) or not isinstance(get_leaf(shapes, path), tuple)):
         raise CheckpointError(f"{st.path}: tensor '{name}' is not a parameter of the model config.json describes")
+    leaf_path = alias[0] if alias else path
+    leaf = param_table(cfg).leaf(leaf_path, cfg)
     spec = ID
-    if version < 2 and param_table(cfg).leaf(path, cfg).matrix:
-        spec = T3 if len(get_leaf(shapes, path)) == 3 else T
-    expected = stored_shape(spec, tuple(get_leaf(shapes, path)))
+    if version < 2 and leaf.matrix:
+        spec = T3 if len(get_leaf(shapes, leaf_path)) == 3 else T
+    if alias:
+        parts = [Part(leaf_path, None, spec, alias[1])]
+    elif leaf.segments and fused_groups(cfg, leaf) > 1:  # stored on one block: each segment to its blocks
+        parts = segment_parts(cfg, leaf, path)
+    else:
+        parts = [Part(path, None, spec)]
+    expected = stored_shape(spec, tuple(get_leaf(shapes, leaf_path)) if not alias else
+                            part_shape(cfg, shapes, parts[0]))
     if info.shape != expected:
         raise CheckpointError(f"{st.path}: tensor '{name}' has shape {info.shape}, expected {expected} from "
                               f"config.json")
-    return _jobs(st, name, info, [Part(path, None, spec)], [jnp.dtype(get_leaf(dtypes, path))])
+    targets = [jnp.dtype(get_leaf(dtypes, leaf_path))] * len(parts)
+    if any(p.segment is not None for p in parts):
+        return [_Job(st, name, info, parts, targets, "fused")]
+    return _jobs(st, name, info, parts, targets)
+
+
+def segment_parts(cfg: ModelConfig, leaf, path: tuple) -> list[Part]:
+    """A fused leaf given in one block's row order (its segments concatenated, as ``dllm-jax convert`` writes it)
+    as its segments' parts, each to its blocks."""
+    kind, lo, parts = "mid" if leaf.row_axis else "rows", 0, []
+    for j in range(len(leaf.segments)):
+        parts.append(Part(path, None, (kind, lo, lo + segment_rows(cfg, leaf, j)), j))
+        lo += segment_rows(cfg, leaf, j)
+    return parts
 
 
 def _jobs(st: SafetensorsFile, name: str, info: TensorInfo, parts: list[Part], targets: list) -> list[_Job]:
@@ -337,23 +397,21 @@ def _jobs(st: SafetensorsFile, name: str, info: TensorInfo, parts: list[Part], t
 
 
 def _check_complete(params: Params, shapes: Params, cfg: ModelConfig, model_dir: str,
-                    expert_rows: dict | None = None, ours: bool = False) -> None:
+                    pieces: dict | None = None, ours: bool = False) -> None:
+    """Raise naming the tensors no leaf got (``pieces``: the (expert, segment) pieces written into each stacked or
+    fused leaf that is not complete)."""
     flat, _ = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
     names: list[str] = []
-    table = param_table(cfg)
     for tree_path, shape in flat:
         path = key_path(tree_path)
         if has_leaf(params, path):
             continue
         if ours:
             names.append(path_name(path))
-        elif "{e}" in "".join(table.leaf(path, cfg).hf_names(cfg.family)[:1]):  # one tensor per expert
-            seen = (expert_rows or {}).get(path, ())
-            names += [hf_name_for(cfg, path, e) for e in range(shape[0]) if e not in seen]
-        else:
-            names.append(hf_name_for(cfg, path))
+            continue
+        for e, j in missing_pieces(cfg, shapes, path, (pieces or {}).get(path, set())):
+            names.append(hf_name_for(cfg, path, e if e is not None else None, j))
     names = list(dict.fromkeys(names))  # fused q/k/v name once
     if names:
         raise CheckpointError(f"{model_dir}: checkpoint is missing tensors: {', '.join(names[:8])}"
                               + (" ..." if len(names) > 8 else ""))
-

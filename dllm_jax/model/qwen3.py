@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dllm_jax.config import ModelConfig
+from dllm_jax.model.fused import fused_axis_groups
 from dllm_jax.model.moe import contract, linear, moe_mlp, swiglu
 from dllm_jax.model.params import Params
 
@@ -68,16 +69,19 @@ def rope(x, positions, cfg: ModelConfig):
 
 
 def _qkv(layer, x, positions, cfg: ModelConfig):
-    """Project, q/k-normalise and rotate. Returns q [.., T, Hq, D], k/v [.., T, Hkv, D]."""
-    q = linear(x, layer["q"])
-    k = linear(x, layer["k"])
-    v = linear(x, layer["v"])
+    """Project (one matmul over the fused ``qkv`` leaf), q/k-normalise and rotate. Returns q [.., T, Hq, D], k/v
+    [.., T, Hkv, D]. The fused rows are shard-major (:mod:`dllm_jax.model.fused`): the product is split as
+    ``[..., g, q_s | k_s | v_s]``, so under TP each shard splits its own block."""
+    qkv = linear(x, layer["qkv"])
     if cfg.attention_bias:
-        q, k, v = q + layer["q_bias"], k + layer["k_bias"], v + layer["v_bias"]
+        qkv = qkv + layer["qkv_bias"]
     lead = x.shape[:-1]
-    q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
-    k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-    v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    g = fused_axis_groups(cfg, "qkv", qkv.shape[-1])
+    qkv = qkv.reshape(*lead, g, -1)
+    qs, ks = cfg.q_size // g, cfg.kv_size // g
+    q = qkv[..., :qs].reshape(*lead, cfg.num_heads, cfg.head_dim)
+    k = qkv[..., qs:qs + ks].reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    v = qkv[..., qs + ks:].reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
     if cfg.use_qk_norm:
         q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
@@ -97,7 +101,7 @@ def _mlp(layer, x, cfg: ModelConfig):
     h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
     if "moe" in layer:
         return moe_mlp(layer["moe"], h, cfg)
-    return swiglu(h, layer["gate"], layer["up"], layer["down"])
+    return swiglu(h, layer["gate_up"], layer["down"], cfg)
 
 
 def lm_head(params: Params):

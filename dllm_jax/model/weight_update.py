@@ -10,8 +10,11 @@ an argument, take the new buffers without compiling.
 
 Names: a checkpoint name of the model's family (``model.layers.0.self_attn.q_proj.weight``, LLaDA2's fused
 ``query_key_value``, one tensor per expert; :func:`~dllm_jax.model.checkpoint_names.hf_tensor_parts`) or our pytree
-path (``layers.0.q``, ``embed``; :func:`~dllm_jax.model.params.path_name`), stored as we store it: the same array
-as the checkpoint's for every unfused tensor (matrices are ``[out, in]`` in both).
+path (``layers.0.qkv``, ``embed``; :func:`~dllm_jax.model.params.path_name`), stored as we store it: the same array
+as the checkpoint's for every unfused tensor (matrices are ``[out, in]`` in both); a fused leaf by path is its
+segments concatenated (one shard block's order, as ``dllm-jax convert`` writes it), and the unfused paths
+(``layers.0.q``, ``layers.0.gate``) still name their segments. A segment is written into its rows of the fused
+leaf, in place.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ from dllm_jax.model.checkpoint_names import (COPIES, ID, Part, Unsupported, conv
 from dllm_jax.model.converted import CONVERTED_FORMAT, ORBAX_PARAMS_DIR, converted_format, converted_version
 from dllm_jax.model.params import (Params, get_leaf, has_leaf, name_path, param_shapes, param_table, path_name,
                                    set_leaf)
+from dllm_jax.model.fused import fused_groups, segment_alias, segment_of
 from dllm_jax.model.placement import (_check_complete, _convert_fn, _normalize_head_device, _owned, _plan, _plan_ours,
-                                      _Placer, _set_expert_fn)
+                                      _Placer, missing_pieces, part_writer, segment_parts)
 from dllm_jax.model.safetensors_io import ST_DTYPES, SafetensorsFile, safetensor_files
 
 ST_NAMES = {dtype: name for name, dtype in ST_DTYPES.items()}
@@ -55,7 +59,13 @@ def resolve(cfg: ModelConfig, shapes: Params, name: str) -> tuple[list[Part], bo
         raise ValueError(f"tensor {name!r}: a name must be a non-empty string")
     path = name_path(name)
     if has_leaf(shapes, path) and isinstance(get_leaf(shapes, path), tuple):
+        leaf = param_table(cfg).leaf(path, cfg)
+        if leaf.segments and fused_groups(cfg, leaf) > 1:  # named by path: a fused leaf on one block, as convert
+            return segment_parts(cfg, leaf, path), True   # writes it: each segment goes to its blocks
         return [Part(path, None, ID)], True
+    alias = segment_alias(cfg, path)
+    if alias is not None:  # the unfused naming (``layers.0.q``): that segment of the fused leaf
+        return [Part(alias[0], None, ID, alias[1])], True
     try:
         parts = hf_tensor_parts(cfg, name)
     except Unsupported as e:
@@ -67,7 +77,9 @@ def resolve(cfg: ModelConfig, shapes: Params, name: str) -> tuple[list[Part], bo
 
 
 def _expected_shape(cfg: ModelConfig, shapes: Params, parts: list[Part], ours: bool) -> tuple:
-    return tuple(get_leaf(shapes, parts[0].path)) if ours else tuple(expected_hf_shape(cfg, shapes, parts))
+    if ours and parts[0].segment is None:
+        return tuple(get_leaf(shapes, parts[0].path))
+    return tuple(expected_hf_shape(cfg, shapes, parts))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,15 +148,21 @@ def plan_tensors(cfg: ModelConfig, params: Params, named_tensors) -> list[Planne
         if not jnp.issubdtype(value.dtype, jnp.floating):
             raise ValueError(f"tensor '{name}': dtype {value.dtype} is not a floating-point type")
         for part in parts:
-            key = (part.path, part.expert)
-            if key in filled:
-                raise ValueError(f"tensor '{name}': fills {path_name(part.path)} (expert {part.expert}), as tensor "
-                                 f"'{filled[key]}' does" if part.expert is not None else
-                                 f"tensor '{name}': fills {path_name(part.path)}, as tensor '{filled[key]}' does")
-            filled[key] = name
+            for key in _pieces(cfg, part):
+                if key in filled:
+                    what = path_name(part.path) + (f" (expert {part.expert})" if part.expert is not None else "")
+                    raise ValueError(f"tensor '{name}': fills {what}, as tensor '{filled[key]}' does")
+                filled[key] = name
         targets = [get_leaf(params, p.path).dtype for p in parts]
         out.append(Planned(name, parts, targets, value, ours))
     return out
+
+
+def _pieces(cfg: ModelConfig, part: Part) -> list[tuple]:
+    """What ``part`` writes, as (path, expert, segment) keys: a whole fused leaf writes each of its segments."""
+    leaf = param_table(cfg).leaf(part.path, cfg)
+    segments = [part.segment] if part.segment is not None or not leaf.segments else range(len(leaf.segments))
+    return [(part.path, part.expert, j) for j in segments]
 
 
 def apply_tensors(cfg: ModelConfig, params: Params, planned: list[Planned]) -> int:
@@ -154,12 +172,13 @@ def apply_tensors(cfg: ModelConfig, params: Params, planned: list[Planned]) -> i
     written: set[tuple] = set()
     for t in planned:
         value = t.value
-        outputs = []
+        outputs = {}  # path -> its newest leaf (a fused leaf's earlier ones are donated to the later writes)
         for part, target in zip(t.parts, t.targets):
             old = get_leaf(params, part.path)
             placement = _Placement.of(old)
-            if part.expert is not None:  # row e of the stacked leaf, written in place (the old stack is donated)
-                new = _set_expert_fn(part.convert)(old, value, jnp.int32(part.expert))
+            if part.expert is not None or part.segment is not None:  # row e of a stacked leaf, a fused leaf's
+                # segment: written in place (the old leaf is donated), rows copied into their blocks
+                new = part_writer(cfg, part)(old, value, jnp.int32(part.expert or 0))
             elif part.convert[0] in COPIES and value.dtype == target:  # a copy of its own (the caller may reuse
                 view = convert(part.convert, value)                        # its array): of the part's slice
                 new = jnp.copy(view) if isinstance(view, jax.Array) else jax.device_put(
@@ -171,9 +190,9 @@ def apply_tensors(cfg: ModelConfig, params: Params, planned: list[Planned]) -> i
                 new = _normalize_head_device(new, jnp.dtype(target))
             new = placement.put(new)
             set_leaf(params, part.path, new)
-            outputs.append(new)
+            outputs[part.path] = new
             written.add(part.path)
-        jax.block_until_ready(outputs)
+        jax.block_until_ready(list(outputs.values()))
     return len(written)
 
 
@@ -245,17 +264,17 @@ def plan_directory(cfg: ModelConfig, params: Params, model_dir: str) -> Director
         jobs = [job for st in files for name, info in st.tensors.items()
                 for job in plan(st, name, info, cfg, shapes, dtypes)]
         covered = param_table(cfg).empty(cfg)
-        expert_rows: dict[tuple, set] = {}
+        pieces: dict[tuple, set] = {}
         for job in jobs:
             for part in job.parts:
-                if part.expert is None:
+                if part.expert is None and part.segment is None:
                     set_leaf(covered, part.path, True)
                 else:
-                    expert_rows.setdefault(part.path, set()).add(part.expert)
-        for path, rows in expert_rows.items():
-            if len(rows) == get_leaf(shapes, path)[0]:
+                    pieces.setdefault(part.path, set()).add((part.expert, part.segment))
+        for path, keys in pieces.items():
+            if not missing_pieces(cfg, shapes, path, keys):
                 set_leaf(covered, path, True)
-        _check_complete(covered, shapes, cfg, model_dir, expert_rows, ours=ours)
+        _check_complete(covered, shapes, cfg, model_dir, pieces, ours=ours)
     except BaseException:
         for st in files:
             st.close()
@@ -301,7 +320,7 @@ def apply_directory(cfg: ModelConfig, params: Params, plan: DirectoryPlan, mesh=
             for part in job.parts:
                 if part.path not in placements:  # read before an expert write donates the old stack
                     placements[part.path] = _Placement.of(get_leaf(params, part.path))
-                if job.mode == "expert" and part.path not in placer.stacks:
+                if job.mode in ("expert", "fused") and part.path not in placer.stacks:
                     placer.stacks[part.path] = get_leaf(params, part.path)
                     placer.filled[part.path] = set()
             placer.place(job, shapes, staged)
@@ -341,7 +360,11 @@ def read_weight(cfg: ModelConfig, params: Params, name: str, truncate_size: int 
     pieces = []
     for part in parts:
         a = np.asarray(get_leaf(params, part.path))
-        pieces.append(unconvert(part.convert, a[part.expert] if part.expert is not None else a))
+        a = a[part.expert] if part.expert is not None else a
+        if part.segment is not None:  # its rows, out of the fused leaf's blocks
+            leaf = param_table(cfg).leaf(part.path, cfg)
+            a = segment_of(cfg, leaf, a, part.segment, leaf.row_axis - (part.expert is not None))
+        pieces.append(unconvert(part.convert, a))
     a = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=1 if parts[0].convert[0] == "mid" else 0)
     return np.array(a if truncate_size is None else a[:truncate_size], dtype=np.float32)
 

@@ -140,7 +140,7 @@ def sampled_reward(engine, num_prompts: int, task_names, samples: int, temperatu
 
 
 def named_params(params) -> dict:
-    """Our parameter paths (``layers.0.q``) -> host arrays: what ``update_weights_from_tensor`` takes."""
+    """Our parameter paths (``layers.0.qkv``) -> host arrays: what ``update_weights_from_tensor`` takes."""
     from dllm_jax.model.params import key_path, path_name
 
     leaves, _ = jax.tree_util.tree_flatten_with_path(params)
