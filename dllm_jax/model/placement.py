@@ -41,6 +41,14 @@ MAX_IN_FLIGHT = 2
 NORM_HEAD_EPS = 1e-7  # ``norm_head``: F.normalize's eps
 
 
+def _anonymous(shape: tuple, dtype) -> np.ndarray:
+    """Uninitialised page-aligned anonymous memory, which XLA:CPU adopts as a device buffer without a copy."""
+    dtype = np.dtype(dtype)
+    m = mmap.mmap(-1, max(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, 1),
+                  flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(m, dtype, int(np.prod(shape, dtype=np.int64))).reshape(shape)
+
+
 def _owned(view: np.ndarray) -> np.ndarray:
     """What to hand XLA:CPU for an array on the mapped file so that the device array is a copy, made once.
 
@@ -50,8 +58,7 @@ def _owned(view: np.ndarray) -> np.ndarray:
     XLA then adopts. Either way: one copy, none of the file aliased."""
     if view.ctypes.data % 64 and view.flags.c_contiguous:
         return view
-    m = mmap.mmap(-1, max(view.nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    out = np.frombuffer(m, view.dtype, view.size).reshape(view.shape)
+    out = _anonymous(view.shape, view.dtype)
     np.copyto(out, view)
     return out
 
@@ -166,7 +173,8 @@ class _Placer:
       the device by a jitted function reading the mapping; above ``CHUNK_BYTES`` it goes in chunks of rows written
       into a donated output, so the extra memory is a chunk.
     * Expert matrices are written into their stacked ``[E, ...]`` leaf, and a fused leaf's segments (``q_proj`` into
-      ``qkv``) into its shard blocks, in place (donated updates: copies of the tensor's rows).
+      ``qkv``) into its shard blocks: on CPU without a cast, copied from the mapping into the leaf's host buffer,
+      which XLA then adopts (one copy); else in place on the device (donated updates: copies of the tensor's rows).
     Each job's mapped range is released from the process once its device work is done, so peak memory is the
     model plus the few tensors in flight.
     """
@@ -176,6 +184,7 @@ class _Placer:
         self.mesh = mesh
         self.pending: dict[tuple, Any] = {}  # (chunked tensor, leaf) -> its output being filled
         self.stacks: dict[tuple, Any] = {}  # stacked expert / fused leaf path -> device array being filled
+        self.host_stacks: dict[tuple, np.ndarray] = {}  # ... on CPU without a cast: its host buffer (_write_host)
         self.filled: dict[tuple, set] = {}  # ... -> (expert, segment) pieces written so far
         self.in_flight: list[tuple[_Job, list]] = []  # dispatched jobs and the device arrays to wait for
         device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
@@ -206,6 +215,9 @@ class _Placer:
             outputs.append(out)
         for part, target in zip(job.parts, job.targets) if job.mode != "whole" else ():
             leaf_shape = get_leaf(shapes, part.path)
+            if job.mode in ("expert", "fused") and self.host_platform and host.dtype == np.dtype(target):
+                self._write_host(part, leaf_shape, host)  # synchronous: nothing to wait for
+                continue
             if job.mode in ("expert", "fused"):
                 if part.path not in self.stacks:
                     self.stacks[part.path] = _zeros_fn(leaf_shape, target, self.sharding(part.path, leaf_shape))()
@@ -234,6 +246,24 @@ class _Placer:
         while len(self.in_flight) > MAX_IN_FLIGHT:
             self.retire()
 
+    def _write_host(self, part: Part, leaf_shape: tuple, host: np.ndarray) -> None:
+        """CPU, no cast: copy an expert's or a segment's rows from the mapped file straight into the leaf's host
+        buffer (one copy; :meth:`finish` hands the filled buffer to XLA, which adopts it). On the device path
+        (:func:`_write_fn`) the zero fill, the argument's transfer and the donated update cost three."""
+        buf = self.host_stacks.get(part.path)
+        if buf is None:
+            buf = self.host_stacks[part.path] = _anonymous(leaf_shape, host.dtype)
+            self.filled[part.path] = set()
+        leaf = param_table(self.cfg).leaf(part.path, self.cfg)
+        value = convert(part.convert, host)
+        dst, axis = (buf[part.expert], leaf.row_axis - 1) if part.expert is not None else (buf, leaf.row_axis)
+        blocks = (segment_blocks(self.cfg, leaf, part.segment) if part.segment is not None
+                  else ((0, 0, value.shape[axis]),))
+        index = lambda lo, n: (slice(None),) * axis + (slice(lo, lo + n),)  # noqa: E731
+        for d, src, n in blocks:
+            np.copyto(dst[index(d, n)], value[index(src, n)])
+        self.filled[part.path].add((part.expert, part.segment))
+
     def retire(self) -> None:
         """Wait for the oldest dispatched job, then drop its mapped pages from the process."""
         job, outputs = self.in_flight.pop(0)
@@ -245,6 +275,11 @@ class _Placer:
     def finish(self) -> None:
         while self.in_flight:
             self.retire()
+        for path, buf in self.host_stacks.items():  # adopted as is (page-aligned), then placed if sharded
+            out = jax.device_put(buf)
+            sharding = self.sharding(path, buf.shape)
+            self.stacks[path] = out if sharding is None else jax.device_put(out, sharding)
+        self.host_stacks.clear()
 
 
 def load_safetensors_params(model_dir: str, cfg: ModelConfig, dtype, *, progress: bool = False,
