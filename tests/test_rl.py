@@ -62,6 +62,7 @@ def test_trainer_likelihood_is_the_engines(engine, estimator):
 def test_two_steps_update_the_running_engine(engine, tmp_path):
     before = engine.get_weights_by_name("layers.0.qkv", truncate_size=None)
     args = rl.parse_args(["--steps", "2", "--prompts-per-step", "2", "--group-size", "2", "--eval-prompts", "0",
+                          "--ppo-epochs", "1",
                           "--max-new-tokens", "64", "--rows-per-chunk", "128", "--seqs-per-chunk", "2",
                           "--temperature", "5", "--lr", "1e-3", "--minibatches", "2", "--kl-coef", "0.05",
                           "--out", str(tmp_path)])
