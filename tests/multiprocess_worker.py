@@ -8,7 +8,9 @@ The spec (JSON): ``process_id``, ``coordinator`` (host:port), ``model``, ``engin
 
 * for each entry of ``runs`` (``schedule``, ``batches`` of prompts, ``params``) the leader builds an engine,
   answers every batch and shuts it down; the follower builds the same engine and follows it until the stop
-  message.
+  message. With ``update`` (``{"scale": {checkpoint name: factor}}``) the leader then updates those tensors
+  (the checkpoint's, scaled) from tensors, answers the batches again, updates back from the model's directory
+  and answers them once more; the follower applies both updates as it follows.
 * then, with ``die``: the leader runs a new engine's loop in a thread (as the server does) and streams one long
   request (``prompt``, ``params``); the follower SIGKILLs itself when it receives call number ``die_at_call``
   (after writing the time). The leader records when and how its request failed, and whether a new request is
@@ -37,8 +39,10 @@ def main(spec_path: str) -> None:
         if leader:
             results = [engine.generate(input_ids=batch, sampling_params=run["params"]) for batch in run["batches"]]
             out["runs"].append({"outputs": [[r["output_ids"] for r in res] for res in results],
-                                "cached": [[r["meta_info"]["cached_tokens"] for r in res] for res in results],
-                                "calls": engine.runner.device_calls})
+                                "cached": [[r["meta_info"]["cached_tokens"] for r in res] for res in results]})
+            if "update" in run:
+                out["runs"][-1]["updated"] = _update_and_answer(engine, spec["model"], run)
+            out["runs"][-1]["calls"] = engine.runner.device_calls
         else:
             out["runs"].append({"calls": engine.follow()})
         engine.shutdown()
@@ -75,6 +79,22 @@ def main(spec_path: str) -> None:
 
     channel.recv = dying_recv
     engine.follow()
+
+
+def _update_and_answer(engine, model: str, run: dict) -> dict:
+    """Update from tensors (checkpoint tensors scaled), answer; update back from the directory, answer."""
+    from safetensors.numpy import load_file
+
+    original = load_file(os.path.join(model, "model.safetensors"))
+    named = {name: original[name] * factor for name, factor in run["update"]["scale"].items()}
+    answers = {}
+    for version, update in (("v1", lambda: engine.update_weights_from_tensor(named, weight_version="v1")),
+                            ("v2", lambda: engine.update_weights_from_disk(model, weight_version="v2"))):
+        assert update()["success"]
+        results = [engine.generate(input_ids=batch, sampling_params=run["params"]) for batch in run["batches"]]
+        answers[version] = [[r["output_ids"] for r in res] for res in results]
+        assert all(r["meta_info"]["weight_version"] == version for res in results for r in res)
+    return answers
 
 
 def _write(path: str, obj) -> None:

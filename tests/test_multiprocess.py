@@ -29,6 +29,9 @@ BATCHES = [[[5, 6, 7, 8, 9, 10], [3, 4], list(range(2, 20)), [63, 2, 63, 3]],
 PARAMS = {"max_new_tokens": 10, "ignore_eos": True}
 SCHEDULES = ("fdfo", "sync")
 COLLECTIVE_TIMEOUT = 20  # seconds; a killed peer fails a collective at once, a stuck one after this
+# the FDFO run then updates these tensors in place (q rows of the fused q|k|v leaf, up rows of gate|up, a norm)
+UPDATE = {"scale": {"model.layers.0.self_attn.q_proj.weight": 1.5, "model.layers.1.mlp.up_proj.weight": -1.0,
+                    "model.norm.weight": 0.5}}
 
 
 def free_port() -> int:
@@ -81,10 +84,12 @@ def result(tmp_path, pid: int) -> dict:
 
 def test_two_processes_generate_like_one_and_fail_fast(tiny_model, make_engine, tmp_path):
     """One pair of processes: an FDFO and a sync engine answer like TP = 1 (the follower replays every call and
-    returns from ``follow()`` at each shutdown); then a third engine's follower is SIGKILLed mid-request (it kills
+    returns from ``follow()`` at each shutdown; the FDFO engine's weights are then updated from tensors and back
+    from the directory, and it answers like a TP = 1 engine updated the same way); then a third engine's follower is SIGKILLed mid-request (it kills
     itself on receiving its 6th call, so the moment is deterministic): the leader's stream ends with a clear
     abort within seconds, and new requests are refused."""
     runs = [{"schedule": s, "batches": BATCHES, "params": PARAMS} for s in SCHEDULES]
+    runs[0]["update"] = UPDATE  # weight updates reach the follower's shards (dllm_jax/engine/weight_sync.py)
     die = {"prompt": [5, 6, 7, 8, 9], "params": {"max_new_tokens": 48, "ignore_eos": True}, "die_at_call": 6}
     procs = start_pair(tmp_path, {"model": tiny_model, "engine": TP4, "runs": runs, "die": die,
                                   "collective_timeout": COLLECTIVE_TIMEOUT})
@@ -93,6 +98,7 @@ def test_two_processes_generate_like_one_and_fail_fast(tiny_model, make_engine, 
         engine = make_engine(tiny_model, schedule=schedule, **ENGINE_KW)
         expected.append([[o["output_ids"] for o in engine.generate(input_ids=b, sampling_params=PARAMS)]
                          for b in BATCHES])
+    updated = _updated_reference(make_engine(tiny_model, **ENGINE_KW), tiny_model)
     assert wait_all(procs, tmp_path, 150) == [0, -9], logs(tmp_path)
     leader, follower = result(tmp_path, 0), result(tmp_path, 1)
     for i, schedule in enumerate(SCHEDULES):
@@ -100,6 +106,8 @@ def test_two_processes_generate_like_one_and_fail_fast(tiny_model, make_engine, 
         assert run["outputs"] == expected[i], schedule
         assert all(c > 0 for c in run["cached"][1]), f"{schedule}: no prefix reuse in the second batch"
         assert follower["runs"][i]["calls"] == run["calls"] > 0  # it replayed every call, then stopped
+    assert leader["runs"][0]["updated"] == {"v1": updated, "v2": expected[0]}  # both updates, on every process
+    assert updated != expected[0]
 
     reason = leader["finish_reason"]
     assert reason["type"] == "abort" and reason["message"].startswith("multi-process engine failed"), reason
@@ -108,6 +116,15 @@ def test_two_processes_generate_like_one_and_fail_fast(tiny_model, make_engine, 
     latency = leader["failed_at"] - follower["died_at"]
     assert latency < 5, f"the leader took {latency:.1f} s to fail the request"
     assert leader["refused"] == leader["failure"]
+
+
+def _updated_reference(engine, model: str) -> list:
+    """The single-process answers after the worker's update from tensors."""
+    from safetensors.numpy import load_file
+
+    original = load_file(os.path.join(model, "model.safetensors"))
+    engine.update_weights_from_tensor({n: original[n] * f for n, f in UPDATE["scale"].items()})
+    return [[o["output_ids"] for o in engine.generate(input_ids=b, sampling_params=PARAMS)] for b in BATCHES]
 
 
 # ----------------------------------------------------------------------------------------------

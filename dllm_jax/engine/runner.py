@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dllm_jax.decode.algorithms import Algorithm
+from dllm_jax.engine.weight_sync import KIND_WEIGHTS, apply_received, update_template
 from dllm_jax.decode.packing import RowLayout
 from dllm_jax.decode import rows as row_schema
 from dllm_jax.engine.calls import (ROW_ATTRIBUTES, DecodeOutput, DecodeRow, DenoiseCall, PenaltyRow, PrefillCall,
@@ -199,6 +200,8 @@ class ModelRunner:
         kind, rows, width, length = (int(x) for x in header)
         kind, variant = kind & 3, kind >> 2
         B = self.block_size
+        if kind == KIND_WEIGHTS:
+            return update_template(header)
         if kind == KIND_PREFILL:
             return {"tokens": np.zeros((rows, length), np.int32), "page_table": np.zeros((rows, width), np.int32),
                     "prefix_len": np.zeros((rows,), np.int32), "write": np.zeros((rows, length // B), np.int32)}
@@ -213,6 +216,9 @@ class ModelRunner:
             header, arrays = self.channel.recv(self._template)
             if int(header[0]) == KIND_STOP:
                 return calls
+            if int(header[0]) == KIND_WEIGHTS:  # a weight update, between two of the leader's rounds
+                apply_received(self, arrays)
+                continue
             self._execute_local(int(header[0]), arrays, tuple(int(x) for x in header[1:]))
             calls += 1
 

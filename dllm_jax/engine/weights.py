@@ -21,8 +21,8 @@ A mixin of :class:`dllm_jax.engine.engine.Engine`. What it guarantees, and why:
   weights; every answer's ``meta_info["weight_version"]`` is the version loaded when its last block was decoded
   (a request in flight across an update, paused in place or retracted, mixed versions).
 
-Multi-process engines (one engine over several processes) refuse updates for now: every process would have to
-read the same tensors in step with the leader.
+* **Every process.** A multi-process engine sends each update to its followers through the channel its device
+  calls take, and every process updates its own shards (:mod:`dllm_jax.engine.weight_sync`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import logging
 import os
 import time
 
+from dllm_jax.engine import weight_sync as ws
 from dllm_jax.model import weight_update as wu
 
 log = logging.getLogger("dllm_jax")
@@ -53,7 +54,7 @@ class WeightUpdates:
         start = time.perf_counter()
         plan = wu.plan_directory(self.config, self.runner.params, os.fspath(model_path))
         try:
-            count = self._update(lambda params: wu.apply_directory(self.config, params, plan, self.mesh),
+            count = self._update(lambda params: ws.apply_directory_everywhere(self.runner, plan, model_path),
                                  weight_version, flush_cache, abort_all_requests)
         finally:
             plan.close()
@@ -68,7 +69,7 @@ class WeightUpdates:
         self._check_updatable("update_weights_from_tensor", weight_version)
         start = time.perf_counter()
         planned = wu.plan_tensors(self.config, self.runner.params, named_tensors)
-        count = self._update(lambda params: wu.apply_tensors(self.config, params, planned), weight_version,
+        count = self._update(lambda params: ws.apply_tensors_everywhere(self.runner, planned), weight_version,
                              flush_cache, abort_all_requests)
         return self._updated(f"from {len(planned)} tensor(s)", count, start, flush_cache)
 
@@ -99,9 +100,6 @@ class WeightUpdates:
         self._check_occupied(what)
         if self._shutdown:
             raise RuntimeError(f"{what}: the engine is shut down")
-        if self.runner.channel is not None:
-            raise NotImplementedError(f"{what}: not supported on a multi-process engine yet (every process would "
-                                      f"have to load the same tensors in step); restart the process group")
         if weight_version is not None:
             self._check_version(weight_version, "weight_version")
 
