@@ -115,3 +115,14 @@ def test_a_refused_update_sends_nothing(pair):
     for k, v in _flat(follower.params).items():
         np.testing.assert_array_equal(v, before[k], err_msg=k)
     _same_kv(leader, follower)
+
+
+def test_release_memory_is_refused_on_a_multi_process_engine(pair):
+    """Each process would have to free and restore its own shards; until that is built the call says so and
+    changes nothing (the engine keeps serving)."""
+    leader, _, _ = pair
+    with pytest.raises(NotImplementedError, match="multi-process"):
+        leader.release_memory_occupation(["weights", "kv_cache"])
+    assert leader.pause_mode is None
+    out = leader.generate(input_ids=PROMPTS[:1], sampling_params=PARAMS)
+    assert out[0]["meta_info"]["completion_tokens"] == PARAMS["max_new_tokens"]

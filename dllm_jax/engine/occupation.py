@@ -69,6 +69,8 @@ class MemoryOccupation:
         """Free the device memory of ``tags`` (default both). Returns the memory before and after."""
         tags = _tags(tags)
         self._require_scheduler("release_memory_occupation")
+        if self.runner.channel is not None:  # each process would have to release and restore its own shards
+            raise NotImplementedError("release_memory_occupation: not supported on a multi-process engine")
         with self._lock:
             before = memory_snapshot()
             if "kv_cache" in tags and self.pause_mode == "in_place" and self.scheduler.running:
