@@ -13,6 +13,11 @@ the cache flush), on two models:
 Each figure is the median of ``--weight-update-repeats`` updates (the page cache warm). The extra memory is the
 process's peak RSS during the update (``VmHWM``, reset before it) minus its RSS before: on CPU the device arrays are
 host memory, so this counts the new leaves in flight and any host copy, against the largest tensor's bytes.
+
+After the updates each engine releases its memory (``release_memory_occupation(["weights", "kv_cache"])``) and
+resumes it: the device's bytes in use (the allocator's count, or the live JAX arrays where it keeps none, as on CPU),
+the live arrays and the process's RSS before, after the release and after the resume, and the compiles around both.
+On CPU the released weights are kept as a host copy, so the RSS does not fall by their size: the device count does.
 """
 
 from __future__ import annotations
@@ -102,7 +107,8 @@ def weight_update(ctx: Ctx) -> dict:
         convert_checkpoint(m.path, converted)
         largest = max(x.nbytes for x in _leaves(engine))
         result["models"]["shipped"] = {"bytes": checkpoint_bytes(m.path), "largest_tensor_bytes": largest,
-                                       "updates": _updates(engine, m.path, converted, repeats)}
+                                       "updates": _updates(engine, m.path, converted, repeats),
+                                       "occupation": _occupation(engine)}
         engine.shutdown()
         layers = ctx.size("weight_update_layers", 28, 4)
         if layers:
@@ -113,7 +119,7 @@ def weight_update(ctx: Ctx) -> dict:
             largest = max(x.nbytes for x in _leaves(engine))
             result["models"][f"sdar-1.7b ({layers} layers, bf16)"] = {
                 "bytes": checkpoint_bytes(path), "largest_tensor_bytes": largest,
-                "updates": _updates(engine, path, None, repeats)}
+                "updates": _updates(engine, path, None, repeats), "occupation": _occupation(engine)}
             engine.shutdown()
             if not ctx.overrides.get("load_keep"):
                 load_bench.cleanup(ctx)
@@ -128,7 +134,27 @@ def weight_update(ctx: Ctx) -> dict:
                  "the update minus RSS before)",
                  ["model", "MiB", "update", "median ms", "min ms", "extra peak MiB", "largest tensor MiB",
                   "compiles"], rows)
+    occ_rows = [[name, stage] + [f"{res['occupation'][stage][k] / MIB:.1f}" for k in _MEMORY_KEYS]
+                + [res["occupation"]["compiles"]]
+                for name, res in result["models"].items() for stage in _STAGES]
+    text += "\n" + table("release / resume memory occupation (weights and KV pool; MiB)",
+                         ["model", "when", "device in use", "live arrays", "host RSS", "compiles"], occ_rows)
     return finish(ctx, "weight_update", result, text)
+
+
+_STAGES = ("before", "after release", "after resume")
+_MEMORY_KEYS = ("device_bytes_in_use", "live_array_bytes", "host_rss_bytes")
+
+
+def _occupation(engine) -> dict:
+    """Release both tags and resume them: the memory at each stage and the compiles around both."""
+    from dllm_jax.engine.compilation import compiled_executables
+
+    compiles = compiled_executables()
+    released = engine.release_memory_occupation(["weights", "kv_cache"])
+    resumed = engine.resume_memory_occupation(["weights", "kv_cache"])
+    return {"before": released["memory_before"], "after release": released["memory_after"],
+            "after resume": resumed["memory_after"], "compiles": compiled_executables() - compiles}
 
 
 def _leaves(engine):

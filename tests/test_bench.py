@@ -273,3 +273,20 @@ def test_gpu_check_smoke(tmp_path):
     for name in ("roofline.json", "step_profile.json", "kernels.json", "side_by_side.json",
                  "confidence_crossover.smoke.json"):
         assert os.path.isfile(os.path.join(dest, name)), name
+
+
+def test_weight_update_bench_on_the_shipped_model(tmp_path, capsys):
+    """``python -m bench weight_update`` (shipped model only): every update compiles nothing, and the release /
+    resume table shows the device's bytes falling and coming back."""
+    from bench.cli import run
+
+    rc = run(["weight_update", "--out", str(tmp_path), "--quick", "--weight-update-layers", "0",
+              "--weight-update-repeats", "1"])
+    assert rc == 0
+    assert "release / resume memory occupation" in capsys.readouterr().out
+    shipped = json.loads((tmp_path / "weight_update.json").read_text())["models"]["shipped"]
+    assert all(u["compiles"] == 0 for u in shipped["updates"].values())
+    occ = shipped["occupation"]
+    assert occ["compiles"] == 0
+    before, released, resumed = (occ[s]["device_bytes_in_use"] for s in ("before", "after release", "after resume"))
+    assert released < before and resumed == before
