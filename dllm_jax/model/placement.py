@@ -272,14 +272,18 @@ class _Placer:
                 out.block_until_ready()
         job.release()
 
+    def adopt(self, path: tuple) -> None:
+        """Hand a filled host buffer to XLA (adopted as is: page-aligned), placed if sharded, as ``stacks[path]``."""
+        buf = self.host_stacks.pop(path)
+        out = jax.device_put(buf)
+        sharding = self.sharding(path, buf.shape)
+        self.stacks[path] = out if sharding is None else jax.device_put(out, sharding)
+
     def finish(self) -> None:
         while self.in_flight:
             self.retire()
-        for path, buf in self.host_stacks.items():  # adopted as is (page-aligned), then placed if sharded
-            out = jax.device_put(buf)
-            sharding = self.sharding(path, buf.shape)
-            self.stacks[path] = out if sharding is None else jax.device_put(out, sharding)
-        self.host_stacks.clear()
+        for path in list(self.host_stacks):
+            self.adopt(path)
 
 
 def load_safetensors_params(model_dir: str, cfg: ModelConfig, dtype, *, progress: bool = False,

@@ -23,6 +23,7 @@ import base64
 import binascii
 import dataclasses
 import functools
+import gc
 import json
 import os
 from typing import Any
@@ -193,7 +194,17 @@ def apply_tensors(cfg: ModelConfig, params: Params, planned: list[Planned]) -> i
             outputs[part.path] = new
             written.add(part.path)
         jax.block_until_ready(list(outputs.values()))
+        del old
+        free_replaced()
     return len(written)
+
+
+def free_replaced() -> None:
+    """Free the leaves an update just replaced. JAX lets go of a host buffer it adopted (a CPU array made from numpy
+    without a copy, as the loader's and the updates' leaves are) only when its own garbage collection runs, which any
+    Python collection triggers (jax-ml/jax#14882); without this every replaced leaf stayed alive to the end of the
+    update: 1.8 GiB more at the SDAR-1.7B shape, measured. A young-generation collection is enough and cheap."""
+    gc.collect(0)
 
 
 def _norm_head(cfg: ModelConfig, part: Part, ours: bool) -> bool:
@@ -324,6 +335,11 @@ def apply_directory(cfg: ModelConfig, params: Params, plan: DirectoryPlan, mesh=
                     placer.stacks[part.path] = get_leaf(params, part.path)
                     placer.filled[part.path] = set()
             placer.place(job, shapes, staged)
+            for path in {part.path for part in job.parts}:  # a stacked / fused leaf replaces the old one as soon
+                if path in placer.host_stacks and not missing_pieces(cfg, shapes, path, placer.filled[path]):
+                    placer.adopt(path)                       # as it is whole (not at the end: a second copy)
+                if path in placer.stacks:  # the tree holds the newest stack, so the old leaf goes (free_replaced)
+                    set_leaf(params, path, placer.stacks[path])
             for part in job.parts:
                 if part.expert is None and has_leaf(staged, part.path):
                     new = get_leaf(staged, part.path)
@@ -332,6 +348,7 @@ def apply_directory(cfg: ModelConfig, params: Params, plan: DirectoryPlan, mesh=
                         new = _normalize_head_device(new, get_leaf(params, part.path).dtype)
                     set_leaf(params, part.path, placements[part.path].put(new))
                     written += 1
+            free_replaced()
         placer.finish()
     finally:
         placer.in_flight.clear()
