@@ -12,7 +12,8 @@ the cache flush), on two models:
 
 Each figure is the median of ``--weight-update-repeats`` updates (the page cache warm). The extra memory is the
 process's peak RSS during the update (``VmHWM``, reset before it) minus its RSS before: on CPU the device arrays are
-host memory, so this counts the new leaves in flight and any host copy, against the largest tensor's bytes.
+host memory, so this counts the new leaves in flight and any host copy, against the largest tensor's bytes;
+from disk it also counts the checkpoint's mapped pages in flight (file-backed, released job by job).
 
 After the updates each engine releases its memory (``release_memory_occupation(["weights", "kv_cache"])``) and
 resumes it: the device's bytes in use (the allocator's count, or the live JAX arrays where it keeps none, as on CPU),

@@ -148,6 +148,41 @@ def test_update_from_tensors_restores_the_original_answers(engine, prompts, orig
     assert compiled_executables() == before
 
 
+@pytest.mark.parametrize("order", ["by layer", "q of every layer first", "one segment"])
+def test_fused_leaves_from_their_segments(engine, originals, perturbed, order, monkeypatch):
+    """Checkpoint-named q / k / v and gate / up tensors fill their fused leaves whatever the order: a leaf whose
+    segments come together is built on the host (CPU), one whose segments come far apart (more than
+    MAX_OPEN_BUFFERS leaves open) or only in part by donated writes; every leaf ends equal to the source rows and
+    the leaves not named keep their values."""
+    from dllm_jax.model import weight_update as wu
+    from dllm_jax.model.placement import copy_rows
+
+    hf = params_to_hf(_tree(engine, perturbed["flat"]), engine.config)
+    segments = [n for n in hf if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight",
+                                              "gate_proj.weight", "up_proj.weight"))]
+    if order == "q of every layer first":
+        segments.sort(key=lambda n: (n.split(".")[-2], n))  # k, q, v, gate, up of all layers grouped
+        assert 2 * engine.config.num_layers > wu.MAX_OPEN_BUFFERS  # fused leaves: qkv, gate_up
+    elif order == "one segment":
+        segments = [n for n in segments if n.endswith("layers.1.self_attn.k_proj.weight")]
+    on_host = []
+    monkeypatch.setattr(wu, "copy_rows", lambda cfg, part, buf, value: on_host.append(part) or
+                        copy_rows(cfg, part, buf, value))
+    try:
+        engine.update_weights_from_tensor([(n, hf[n]) for n in segments], flush_cache=True)
+        want = {"by layer": len(segments), "one segment": 0}.get(order)
+        assert len(on_host) == want if want is not None else 0 < len(on_host) < len(segments), len(on_host)
+        for name in segments:
+            np.testing.assert_array_equal(engine.get_weights_by_name(name, None), hf[name], err_msg=name)
+        if order == "one segment":  # q and v of that layer kept theirs
+            q_name = "model.layers.1.self_attn.q_proj.weight"
+            np.testing.assert_array_equal(engine.get_weights_by_name(q_name, None),
+                                          params_to_hf(_tree(engine, originals), engine.config)[q_name])
+        np.testing.assert_array_equal(engine.get_weights_by_name("layers.0.o", None), originals["layers.0.o"])
+    finally:
+        _restore(engine, originals)
+
+
 def test_update_from_converted_dir_and_torch_tensors(engine, prompts, originals, perturbed, expected):
     import torch
 

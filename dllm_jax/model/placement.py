@@ -58,6 +58,12 @@ def _owned(view: np.ndarray) -> np.ndarray:
     XLA then adopts. Either way: one copy, none of the file aliased."""
     if view.ctypes.data % 64 and view.flags.c_contiguous:
         return view
+    return _copied(view)
+
+
+def _copied(view: np.ndarray) -> np.ndarray:
+    """A copy in page-aligned anonymous memory, which XLA:CPU adopts. From a host array in memory (an update's
+    tensors) faster than XLA's own copy of an unaligned one: 0.43 vs 0.54-0.84 s for a 594 MiB tensor, measured."""
     out = _anonymous(view.shape, view.dtype)
     np.copyto(out, view)
     return out
@@ -103,6 +109,17 @@ def part_writer(cfg: ModelConfig, part: Part):
     leaf = param_table(cfg).leaf(part.path, cfg)
     blocks = segment_blocks(cfg, leaf, part.segment) if part.segment is not None else None
     return _write_fn(part.convert, part.expert is not None, blocks, leaf.row_axis)
+
+
+def copy_rows(cfg: ModelConfig, part: Part, buf: np.ndarray, host: np.ndarray) -> None:
+    """Copy an expert's or a fused segment's rows of ``host`` (the tensor as stored) into the leaf's host buffer."""
+    leaf = param_table(cfg).leaf(part.path, cfg)
+    value = convert(part.convert, host)
+    dst, axis = (buf[part.expert], leaf.row_axis - 1) if part.expert is not None else (buf, leaf.row_axis)
+    blocks = segment_blocks(cfg, leaf, part.segment) if part.segment is not None else ((0, 0, value.shape[axis]),)
+    index = lambda lo, n: (slice(None),) * axis + (slice(lo, lo + n),)  # noqa: E731
+    for d, src, n in blocks:
+        np.copyto(dst[index(d, n)], value[index(src, n)])
 
 
 def missing_pieces(cfg: ModelConfig, shapes: Params, path: tuple, keys) -> list[tuple]:
@@ -254,14 +271,7 @@ class _Placer:
         if buf is None:
             buf = self.host_stacks[part.path] = _anonymous(leaf_shape, host.dtype)
             self.filled[part.path] = set()
-        leaf = param_table(self.cfg).leaf(part.path, self.cfg)
-        value = convert(part.convert, host)
-        dst, axis = (buf[part.expert], leaf.row_axis - 1) if part.expert is not None else (buf, leaf.row_axis)
-        blocks = (segment_blocks(self.cfg, leaf, part.segment) if part.segment is not None
-                  else ((0, 0, value.shape[axis]),))
-        index = lambda lo, n: (slice(None),) * axis + (slice(lo, lo + n),)  # noqa: E731
-        for d, src, n in blocks:
-            np.copyto(dst[index(d, n)], value[index(src, n)])
+        copy_rows(self.cfg, part, buf, host)
         self.filled[part.path].add((part.expert, part.segment))
 
     def retire(self) -> None:
