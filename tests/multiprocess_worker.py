@@ -82,7 +82,8 @@ def main(spec_path: str) -> None:
 
 
 def _update_and_answer(engine, model: str, run: dict) -> dict:
-    """Update from tensors (checkpoint tensors scaled), answer; update back from the directory, answer."""
+    """Update from tensors (checkpoint tensors scaled), answer; update back from the directory, answer; release and
+    resume the memory, answer."""
     from safetensors.numpy import load_file
 
     original = load_file(os.path.join(model, "model.safetensors"))
@@ -94,6 +95,11 @@ def _update_and_answer(engine, model: str, run: dict) -> dict:
         results = [engine.generate(input_ids=batch, sampling_params=run["params"]) for batch in run["batches"]]
         answers[version] = [[r["output_ids"] for r in res] for res in results]
         assert all(r["meta_info"]["weight_version"] == version for res in results for r in res)
+    # colocated training: every process frees its shards of the weights and the pool, then restores them
+    engine.release_memory_occupation(["weights", "kv_cache"])
+    engine.resume_memory_occupation(["weights", "kv_cache"])
+    answers["resumed"] = [[r["output_ids"] for r in engine.generate(input_ids=batch, sampling_params=run["params"])]
+                          for batch in run["batches"]]
     return answers
 
 

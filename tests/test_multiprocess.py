@@ -106,7 +106,8 @@ def test_two_processes_generate_like_one_and_fail_fast(tiny_model, make_engine, 
         assert run["outputs"] == expected[i], schedule
         assert all(c > 0 for c in run["cached"][1]), f"{schedule}: no prefix reuse in the second batch"
         assert follower["runs"][i]["calls"] == run["calls"] > 0  # it replayed every call, then stopped
-    assert leader["runs"][0]["updated"] == {"v1": updated, "v2": expected[0]}  # both updates, on every process
+    # both updates, on every process, then a release and resume of weights and pool (each process its own shards)
+    assert leader["runs"][0]["updated"] == {"v1": updated, "v2": expected[0], "resumed": expected[0]}
     assert updated != expected[0]
 
     reason = leader["finish_reason"]

@@ -117,12 +117,31 @@ def test_a_refused_update_sends_nothing(pair):
     _same_kv(leader, follower)
 
 
-def test_release_memory_is_refused_on_a_multi_process_engine(pair):
-    """Each process would have to free and restore its own shards; until that is built the call says so and
-    changes nothing (the engine keeps serving)."""
-    leader, _, _ = pair
-    with pytest.raises(NotImplementedError, match="multi-process"):
-        leader.release_memory_occupation(["weights", "kv_cache"])
-    assert leader.pause_mode is None
-    out = leader.generate(input_ids=PROMPTS[:1], sampling_params=PARAMS)
-    assert out[0]["meta_info"]["completion_tokens"] == PARAMS["max_new_tokens"]
+def _wait_for(condition, timeout=60.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the follower did not apply the message"
+        time.sleep(0.01)
+
+
+def test_release_and_resume_reach_every_process(pair):
+    """Each process frees its own weights and pool and restores them: the same weights, an empty pool, the same
+    answers and K/V afterwards on both."""
+    leader, follower, _ = pair
+    base = [o["output_ids"] for o in leader.generate(input_ids=PROMPTS, sampling_params=PARAMS)]
+    original = _flat(leader.runner.params)
+    _same_kv(leader, follower)
+    leader.release_memory_occupation(["weights", "kv_cache"])
+    _wait_for(lambda: set(follower.released) == {"weights", "kv_cache"})
+    for tree in (leader.runner.params, follower.params, leader.runner.kv_pages, follower.kv_pages):
+        assert all(a.is_deleted() for a in jax.tree.leaves(tree))
+    leader.resume_memory_occupation()
+    _wait_for(lambda: not follower.released)
+    for k, v in _flat(follower.params).items():
+        np.testing.assert_array_equal(v, original[k], err_msg=k)
+    _same_params(leader, follower)
+    assert not any(np.asarray(a).any() for a in jax.tree.leaves(follower.kv_pages))  # empty, as the leader's
+    assert [o["output_ids"] for o in leader.generate(input_ids=PROMPTS, sampling_params=PARAMS)] == base
+    _same_kv(leader, follower)

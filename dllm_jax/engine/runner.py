@@ -83,6 +83,7 @@ class ModelRunner:
         self.prefill_row_buckets = buckets.prefill_rows
         self.mesh = mesh
         self.channel = channel  # multi-host: how the leader's step inputs reach the followers
+        self.released: dict = {}  # release_memory_occupation: tag -> what was kept (dllm_jax.engine.released)
         self.kv_pages = init_kv_pages(cfg, num_pages, block_size, kv_dtype)
         self._num_pages, self._kv_dtype = num_pages, kv_dtype
         if mesh is not None:
@@ -137,12 +138,12 @@ class ModelRunner:
         :meth:`_lower` ``.compile()``, finds it in JAX's caches and does not compile.)"""
         if self.channel is not None:
             self.channel.send(np.asarray([kind, *shape], np.int32), arrays)
-        self.device_calls += 1
-        kind, variant = kind & 3, kind >> 2
+        kind, variant = kind & 3, kind >> 2  # counted once dispatched (so the count says kv_pages is its output)
         if kind == KIND_PREFILL:
             args = (self.params, self.kv_pages, arrays["tokens"], arrays["page_table"], arrays["prefix_len"],
                     arrays["write"])
             self.kv_pages = prefill(*args, spec=self.prefill_spec)
+            self.device_calls += 1
             return None
         chain = shape[0] in self.chain_rows
         layout = self.denoise_layout(shape[1], bool(variant & VARIANT_PENALTIES), chain)
@@ -151,6 +152,7 @@ class ModelRunner:
         spec = self.denoise_spec(sampling, variant, chain)
         args = (self.params, self.kv_pages, rows)
         self.kv_pages, *result = denoise_packed(*args, spec=spec, layout=layout)
+        self.device_calls += 1
         return result
 
     def can_chain(self, rows: int) -> bool:

@@ -11,6 +11,9 @@ receives it and applies it the same way, before the leader's next call reaches i
 * ``update_weights_from_tensor``: a header listing the names, shapes and dtypes, then each tensor, one broadcast
   at a time (a follower holds one tensor in flight beyond what it places).
 
+* ``release_memory_occupation`` / ``resume_memory_occupation``: the operation and its tags; each process frees or
+  restores its own shards (:mod:`dllm_jax.engine.released`).
+
 The checks (names, shapes, dtypes, the directory's config) run on the leader before anything is sent, so a
 refused update changes no process. A follower that fails to apply one (its disk lacks the directory) fails the
 group, as a failed replayed call does.
@@ -24,6 +27,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
+from dllm_jax.engine.released import release_runner, resume_runner
 from dllm_jax.model import weight_update as wu
 
 KIND_WEIGHTS = 3  # a header kind beside the runner's KIND_STOP / KIND_PREFILL / KIND_DENOISE (two bits)
@@ -49,6 +53,9 @@ def apply_received(runner, arrays: dict[str, np.ndarray]) -> int:
     as the leader does. Returns the number of leaves written."""
     meta = json.loads(bytes(np.asarray(arrays["meta"], np.uint8)).decode())
     cfg = runner.cfg
+    if meta["source"] == "occupation":
+        (release_runner if meta["op"] == "release" else resume_runner)(runner, meta["tags"])
+        return 0
     if meta["source"] == "disk":
         plan = wu.plan_directory(cfg, runner.params, meta["model_path"])
         try:
@@ -78,3 +85,10 @@ def apply_tensors_everywhere(runner, planned: list) -> int:
         send_update(runner.channel, {"source": "tensors", "names": [t.name for t in planned]},
                     [t.value for t in planned])
     return wu.apply_tensors(runner.cfg, runner.params, planned)
+
+
+def occupation_everywhere(runner, op: str, tags) -> None:
+    """Leader: release (``op="release"``) or resume ``tags`` of the runner, on every follower first."""
+    if runner.channel is not None:
+        send_update(runner.channel, {"source": "occupation", "op": op, "tags": list(tags)})
+    (release_runner if op == "release" else resume_runner)(runner, tags)
