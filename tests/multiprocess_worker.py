@@ -95,6 +95,12 @@ def _update_and_answer(engine, model: str, run: dict) -> dict:
         results = [engine.generate(input_ids=batch, sampling_params=run["params"]) for batch in run["batches"]]
         answers[version] = [[r["output_ids"] for r in res] for res in results]
         assert all(r["meta_info"]["weight_version"] == version for res in results for r in res)
+    # a read of sharded leaves (the q rows of the fused q|k|v leaf, a norm): every process joins the gather
+    import jax
+
+    answers["sharded"] = sum(not a.is_fully_addressable for a in jax.tree.leaves(engine.runner.params))
+    answers["read"] = {name: engine.get_weights_by_name(name, truncate_size=3).tolist()
+                       for name in ("model.layers.0.self_attn.q_proj.weight", "model.norm.weight")}
     # colocated training: every process frees its shards of the weights and the pool, then restores them
     engine.release_memory_occupation(["weights", "kv_cache"])
     engine.resume_memory_occupation(["weights", "kv_cache"])

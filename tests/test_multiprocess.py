@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from conftest import ENGINE_KW, TEST_XLA_FLAGS
@@ -107,7 +108,15 @@ def test_two_processes_generate_like_one_and_fail_fast(tiny_model, make_engine, 
         assert all(c > 0 for c in run["cached"][1]), f"{schedule}: no prefix reuse in the second batch"
         assert follower["runs"][i]["calls"] == run["calls"] > 0  # it replayed every call, then stopped
     # both updates, on every process, then a release and resume of weights and pool (each process its own shards)
-    assert leader["runs"][0]["updated"] == {"v1": updated, "v2": expected[0], "resumed": expected[0]}
+    answers = leader["runs"][0]["updated"]
+    read = answers.pop("read")
+    assert answers.pop("sharded") > 0  # leaves spread over both processes: the reads gathered them
+    assert answers == {"v1": updated, "v2": expected[0], "resumed": expected[0]}
+    from safetensors.numpy import load_file
+
+    original = load_file(os.path.join(tiny_model, "model.safetensors"))
+    for name, rows in read.items():  # get_weights_by_name of leaves sharded over both processes (after v2)
+        np.testing.assert_array_equal(np.asarray(rows, np.float32), original[name][:3].astype(np.float32), name)
     assert updated != expected[0]
 
     reason = leader["finish_reason"]

@@ -145,3 +145,15 @@ def test_release_and_resume_reach_every_process(pair):
     assert not any(np.asarray(a).any() for a in jax.tree.leaves(follower.kv_pages))  # empty, as the leader's
     assert [o["output_ids"] for o in leader.generate(input_ids=PROMPTS, sampling_params=PARAMS)] == base
     _same_kv(leader, follower)
+
+
+def test_a_read_keeps_every_process_in_step(pair):
+    """get_weights_by_name is sent to the followers too (a leaf sharded over processes is gathered by all of
+    them); a bad name is refused before anything is sent, and the pair keeps decoding in step."""
+    leader, follower, _ = pair
+    q = leader.get_weights_by_name("model.layers.0.self_attn.q_proj.weight", truncate_size=None)
+    assert q.shape == (leader.config.q_size, leader.config.hidden_size)
+    with pytest.raises(ValueError, match="name"):
+        leader.get_weights_by_name("model.layers.0.nope.weight")
+    leader.generate(input_ids=PROMPTS, sampling_params=PARAMS)
+    _same_kv(leader, follower)

@@ -12,7 +12,9 @@ receives it and applies it the same way, before the leader's next call reaches i
   at a time (a follower holds one tensor in flight beyond what it places).
 
 * ``release_memory_occupation`` / ``resume_memory_occupation``: the operation and its tags; each process frees or
-  restores its own shards (:mod:`dllm_jax.engine.released`).
+  restores its own shards (:mod:`dllm_jax.engine.released`);
+* ``get_weights_by_name``: the name; a leaf sharded over several processes is gathered by one program every
+  process runs (each gets the whole leaf; only the leader answers).
 
 The checks (names, shapes, dtypes, the directory's config) run on the leader before anything is sent, so a
 refused update changes no process. A follower that fails to apply one (its disk lacks the directory) fails the
@@ -24,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -55,6 +58,9 @@ def apply_received(runner, arrays: dict[str, np.ndarray]) -> int:
     cfg = runner.cfg
     if meta["source"] == "occupation":
         (release_runner if meta["op"] == "release" else resume_runner)(runner, meta["tags"])
+        return 0
+    if meta["source"] == "read":
+        wu.read_weight(cfg, runner.params, meta["name"], None, fetch=gathered)
         return 0
     if meta["source"] == "disk":
         plan = wu.plan_directory(cfg, runner.params, meta["model_path"])
@@ -92,3 +98,23 @@ def occupation_everywhere(runner, op: str, tags) -> None:
     if runner.channel is not None:
         send_update(runner.channel, {"source": "occupation", "op": op, "tags": list(tags)})
     (release_runner if op == "release" else resume_runner)(runner, tags)
+
+
+def gathered(leaf) -> np.ndarray:
+    """A leaf's whole value on this host: as is when this process holds all of it, else replicated to every device
+    by one program (every process runs it, so each then holds the whole leaf)."""
+    if leaf.is_fully_addressable:
+        return np.asarray(leaf)
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    whole = jax.jit(lambda x: x, out_shardings=NamedSharding(leaf.sharding.mesh, PartitionSpec()))(leaf)
+    return np.asarray(whole.addressable_data(0))
+
+
+def read_everywhere(runner, name: str, truncate_size: int | None) -> np.ndarray:
+    """Leader: ``get_weights_by_name``'s read, checked first, then sent to the followers (they join the gathers)."""
+    wu.plan_read(runner.cfg, name, truncate_size)
+    if runner.channel is None:
+        return wu.read_weight(runner.cfg, runner.params, name, truncate_size)
+    send_update(runner.channel, {"source": "read", "name": name})
+    return wu.read_weight(runner.cfg, runner.params, name, truncate_size, fetch=gathered)

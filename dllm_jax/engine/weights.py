@@ -79,7 +79,7 @@ class WeightUpdates:
         self._require_scheduler("get_weights_by_name")
         self._check_occupied("get_weights_by_name")
         with self._lock:
-            return wu.read_weight(self.config, self.runner.params, name, truncate_size)
+            return ws.read_everywhere(self.runner, name, truncate_size)
 
     def get_weight_version(self) -> str:
         return self.weight_version

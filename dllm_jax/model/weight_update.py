@@ -398,10 +398,8 @@ def apply_directory(cfg: ModelConfig, params: Params, plan: DirectoryPlan, mesh=
 # ----------------------------------------------------------------------------------------------
 # Reading a weight back
 # ----------------------------------------------------------------------------------------------
-def read_weight(cfg: ModelConfig, params: Params, name: str, truncate_size: int | None = 100) -> np.ndarray:
-    """Tensor ``name`` as float32 numpy (a copy) in the layout its name implies: a checkpoint name gives the
-    checkpoint's layout (``[out, in]`` matrices, fused tensors fused), a path ours; only its first
-    ``truncate_size`` rows (None: all), as SGLang's ``get_weights_by_name``."""
+def plan_read(cfg: ModelConfig, name: str, truncate_size: int | None) -> list[Part]:
+    """Check a ``get_weights_by_name`` request; the parts of leaves tensor ``name`` reads."""
     if truncate_size is not None and (not isinstance(truncate_size, int) or truncate_size < 0):
         raise ValueError(f"truncate_size: must be an integer >= 0 or None, got {truncate_size!r}")
     try:
@@ -411,9 +409,19 @@ def read_weight(cfg: ModelConfig, params: Params, name: str, truncate_size: int 
     if not parts:
         raise ValueError(f"name: tensor '{name}' is a {cfg.family} checkpoint name of a parameter this model does "
                          f"not hold (a tied head, an unused bias)")
+    return parts
+
+
+def read_weight(cfg: ModelConfig, params: Params, name: str, truncate_size: int | None = 100,
+                fetch=np.asarray) -> np.ndarray:
+    """Tensor ``name`` as float32 numpy (a copy) in the layout its name implies: a checkpoint name gives the
+    checkpoint's layout (``[out, in]`` matrices, fused tensors fused), a path ours; only its first
+    ``truncate_size`` rows (None: all), as SGLang's ``get_weights_by_name``. ``fetch``: a leaf -> its host value
+    (a leaf sharded over several processes: gathered by all of them, :mod:`dllm_jax.engine.weight_sync`)."""
+    parts = plan_read(cfg, name, truncate_size)
     pieces = []
     for part in parts:
-        a = np.asarray(get_leaf(params, part.path))
+        a = fetch(get_leaf(params, part.path))
         a = a[part.expert] if part.expert is not None else a
         if part.segment is not None:  # its rows, out of the fused leaf's blocks
             leaf = param_table(cfg).leaf(part.path, cfg)
