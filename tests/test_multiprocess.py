@@ -31,8 +31,9 @@ PARAMS = {"max_new_tokens": 10, "ignore_eos": True}
 SCHEDULES = ("fdfo", "sync")
 COLLECTIVE_TIMEOUT = 20  # seconds; a killed peer fails a collective at once, a stuck one after this
 # the FDFO run then updates these tensors in place (q rows of the fused q|k|v leaf, up rows of gate|up, a norm)
+# (layer 1's gate and up together: that fused leaf is built whole on the host; layer 0's q alone: written in place)
 UPDATE = {"scale": {"model.layers.0.self_attn.q_proj.weight": 1.5, "model.layers.1.mlp.up_proj.weight": -1.0,
-                    "model.norm.weight": 0.5}}
+                    "model.layers.1.mlp.gate_proj.weight": 0.75, "model.norm.weight": 0.5}}
 
 
 def free_port() -> int:
