@@ -290,3 +290,16 @@ def test_weight_update_bench_on_the_shipped_model(tmp_path, capsys):
     assert occ["compiles"] == 0
     before, released, resumed = (occ[s]["device_bytes_in_use"] for s in ("before", "after release", "after resume"))
     assert released < before and resumed == before
+
+
+def test_score_check_smoke(tmp_path, capsys):
+    """``python -m bench.score_check`` at a few prompts: both estimators, a JSON with the wins per task."""
+    from bench.score_check import main
+
+    out = tmp_path / "score_check.json"
+    assert main(["--prompts", "6", "--wrong", "2", "--samples", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for estimator in ("chain", "elbo"):
+        wins = result["estimators"][estimator]
+        assert sum(n for _, n in wins["per_task"].values()) == 6 and 0 <= wins["wins"] <= 6
+    assert "score_check: the correct answer ranked first" in capsys.readouterr().out

@@ -5,7 +5,6 @@ HTTP /score; errors name the field."""
 from __future__ import annotations
 
 import os
-import re
 
 import numpy as np
 import pytest
@@ -26,18 +25,6 @@ def engine():
     e = dllm_jax.Engine(None, **SHIPPED_KW)
     yield e
     e.shutdown()
-
-
-def _near_misses(answer: str, rng: np.random.Generator, count: int) -> list[str]:
-    """Wrong answers one number away from the right one (a step's value off by 1 or 2)."""
-    numbers = [m for m in re.finditer(r"\d+", answer)]
-    out = set()
-    while len(out) < count:
-        m = numbers[rng.integers(1, len(numbers))]
-        value = int(m.group()) + int(rng.choice([-2, -1, 1, 2]))
-        if value >= 0:
-            out.add(answer[:m.start()] + str(value) + answer[m.end():])
-    return sorted(out)
 
 
 def test_chain_equals_a_float64_run(engine):
@@ -65,7 +52,7 @@ def test_the_correct_answer_scores_highest(engine, estimator):
     examples = tasks.heldout_set(12)[:12]
     wins = 0
     for ex in examples:
-        answers = [ex.answer] + _near_misses(ex.answer, rng, 2)
+        answers = [ex.answer] + tasks.near_misses(ex.answer, rng, 2)
         scores = engine.score(engine.apply_chat_template(ex.prompt), answers, estimator=estimator, num_samples=8,
                               seed=1)
         wins += int(np.argmax([s["logprob"] for s in scores]) == 0)

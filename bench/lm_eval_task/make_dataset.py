@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 
 import numpy as np
 
@@ -21,29 +20,6 @@ from dllm_jax.assets import DEFAULT_MODEL_PATH
 from dllm_jax.train import tasks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ITEM = re.compile(r"\b(\d+|[a-z]+)\b")
-
-
-def near_misses(answer: str, rng: np.random.Generator, count: int = 3) -> list[str]:
-    """``count`` distinct wrong answers, each ``answer`` with one item (after "Answer:") changed."""
-    start = len(tasks.ANSWER_PREFIX)
-    items = [m for m in ITEM.finditer(answer, start) if m.group().isdigit() or m.group() in tasks.WORDS]
-    out: list[str] = []
-    while len(out) < count:
-        m = items[int(rng.integers(len(items)))]
-        old = m.group()
-        if old.isdigit():
-            new = str(int(old) + int(rng.choice([-2, -1, 1, 2])))
-            if not 0 <= int(new) <= tasks.MAX_NUMBER:
-                continue
-        else:
-            new = str(rng.choice([w for w in tasks.WORDS if w != old]))
-        wrong = answer[:m.start()] + new + answer[m.end():]
-        if wrong != answer and wrong not in out:
-            out.append(wrong)
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--num-docs", type=int, default=50)
@@ -59,7 +35,7 @@ def main() -> None:
         for i, ex in enumerate(tasks.heldout_set(args.num_docs)):
             prompt = tok.apply_chat_template([{"role": "user", "content": ex.prompt}], tokenize=False,
                                              add_generation_prompt=True)
-            choices = [ex.answer] + near_misses(ex.answer, rng)
+            choices = [ex.answer] + tasks.near_misses(ex.answer, rng)
             order = rng.permutation(len(choices))
             doc = {"id": i, "task": ex.task, "prompt": prompt, "choices": [choices[j] for j in order],
                    "label": int(np.flatnonzero(order == 0)[0])}

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import numpy as np
 
@@ -47,6 +48,9 @@ lion milk moon mouse night nose oak owl paper pen pig pink queen rain red ring r
 rose salt sand sea ship shoe sky snow star stone sun table tea tent tiger tree van warm water
 wind wolf wood yellow zebra bell drum kite nut pear plum seed song wave glass iron grass corn
 """.split())
+
+
+_ITEM = re.compile(r"\b(\d+|[a-z]+)\b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,3 +195,24 @@ def tokenizer_corpus(seed: int = 7, samples_per_task: int = 200) -> list[str]:
 def is_correct(example: Example, output_text: str) -> bool:
     """Exact match of the decoded answer, after stripping surrounding whitespace."""
     return output_text.strip() == example.answer.strip()
+
+
+def near_misses(answer: str, rng: np.random.Generator, count: int = 3) -> list[str]:
+    """``count`` distinct wrong answers, each ``answer`` with one item (after "Answer:") changed: a number moved by
+    1 or 2, or a word swapped for another of the task's words (multiple-choice and scoring checks)."""
+    start = len(ANSWER_PREFIX)
+    items = [m for m in _ITEM.finditer(answer, start) if m.group().isdigit() or m.group() in WORDS]
+    out: list[str] = []
+    while len(out) < count:
+        m = items[int(rng.integers(len(items)))]
+        old = m.group()
+        if old.isdigit():
+            new = str(int(old) + int(rng.choice([-2, -1, 1, 2])))
+            if not 0 <= int(new) <= MAX_NUMBER:
+                continue
+        else:
+            new = str(rng.choice([w for w in WORDS if w != old]))
+        wrong = answer[:m.start()] + new + answer[m.end():]
+        if wrong != answer and wrong not in out:
+            out.append(wrong)
+    return out
