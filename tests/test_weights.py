@@ -155,7 +155,7 @@ def test_fused_leaves_from_their_segments(engine, originals, perturbed, order, m
     MAX_OPEN_BUFFERS leaves open) or only in part by donated writes; every leaf ends equal to the source rows and
     the leaves not named keep their values."""
     from dllm_jax.model import weight_update as wu
-    from dllm_jax.model.placement import copy_rows
+    from dllm_jax.model.placement import _Placer
 
     hf = params_to_hf(_tree(engine, perturbed["flat"]), engine.config)
     segments = [n for n in hf if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight",
@@ -166,8 +166,9 @@ def test_fused_leaves_from_their_segments(engine, originals, perturbed, order, m
     elif order == "one segment":
         segments = [n for n in segments if n.endswith("layers.1.self_attn.k_proj.weight")]
     on_host = []
-    monkeypatch.setattr(wu, "copy_rows", lambda cfg, part, buf, value: on_host.append(part) or
-                        copy_rows(cfg, part, buf, value))
+    write_host = _Placer.write_host
+    monkeypatch.setattr(_Placer, "write_host", lambda self, part, shape, value: on_host.append(part) or
+                        write_host(self, part, shape, value))
     try:
         engine.update_weights_from_tensor([(n, hf[n]) for n in segments], flush_cache=True)
         want = {"by layer": len(segments), "one segment": 0}.get(order)

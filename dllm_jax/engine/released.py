@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dllm_jax.model.placement import _zeros_fn
+
 
 class _Kept:
     """A released leaf: its host value (weights: this process's shards of it) or only its layout (pool), and its
@@ -30,8 +32,8 @@ class _Kept:
         return jax.device_put(self.value, self.sharding) if self.sharding is not None else jnp.asarray(self.value)
 
     def zeros(self):
-        if self.local:  # one program on every process (each makes its shards)
-            return jax.jit(lambda: jnp.zeros(self.shape, self.dtype), out_shardings=self.sharding)()
+        if self.local:  # one program on every process (each makes its shards); compiled once per layout
+            return _zeros_fn(self.shape, self.dtype, self.sharding)()
         value = jnp.zeros(self.shape, self.dtype)
         return jax.device_put(value, self.sharding) if self.sharding is not None else value
 

@@ -34,11 +34,10 @@ class Rounds:
     def _drain_inbox(self, aborts: bool = True) -> None:
         """Take in the requests and aborts other threads queued. ``aborts=False`` (while a call runs): aborts
         are held until the next drain, since the call in flight may be using the pages an abort frees."""
-        held, self._held_aborts = self._held_aborts, []
-        for item in held if aborts else ():
-            self._abort_now(item)
-        if not aborts:
-            self._held_aborts = held
+        if aborts:
+            held, self._held_aborts = self._held_aborts, []
+            for item in held:
+                self._abort_now(item)
         while True:
             try:
                 kind, item = self._inbox.get_nowait()

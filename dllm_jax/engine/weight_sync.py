@@ -23,15 +23,18 @@ group, as a failed replayed call does.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from dllm_jax.engine.released import release_runner, resume_runner
 from dllm_jax.model import weight_update as wu
+from dllm_jax.model.params import get_leaf
 
 KIND_WEIGHTS = 3  # a header kind beside the runner's KIND_STOP / KIND_PREFILL / KIND_DENOISE (two bits)
 
@@ -59,8 +62,9 @@ def apply_received(runner, arrays: dict[str, np.ndarray]) -> int:
     if meta["source"] == "occupation":
         (release_runner if meta["op"] == "release" else resume_runner)(runner, meta["tags"])
         return 0
-    if meta["source"] == "read":
-        wu.read_weight(cfg, runner.params, meta["name"], None, fetch=gathered)
+    if meta["source"] == "read":  # join the leader's gathers (only the leader answers)
+        for part in wu.plan_read(cfg, meta["name"], None):
+            gathered(get_leaf(runner.params, part.path))
         return 0
     if meta["source"] == "disk":
         plan = wu.plan_directory(cfg, runner.params, meta["model_path"])
@@ -100,21 +104,24 @@ def occupation_everywhere(runner, op: str, tags) -> None:
     (release_runner if op == "release" else resume_runner)(runner, tags)
 
 
+@functools.lru_cache(maxsize=None)
+def _replicate_fn(mesh):
+    """Identity onto every device of ``mesh`` (one program per mesh; jit caches it per leaf shape)."""
+    return jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
 def gathered(leaf) -> np.ndarray:
     """A leaf's whole value on this host: as is when this process holds all of it, else replicated to every device
     by one program (every process runs it, so each then holds the whole leaf)."""
     if leaf.is_fully_addressable:
         return np.asarray(leaf)
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    whole = jax.jit(lambda x: x, out_shardings=NamedSharding(leaf.sharding.mesh, PartitionSpec()))(leaf)
-    return np.asarray(whole.addressable_data(0))
+    return np.asarray(_replicate_fn(leaf.sharding.mesh)(leaf).addressable_data(0))
 
 
 def read_everywhere(runner, name: str, truncate_size: int | None) -> np.ndarray:
-    """Leader: ``get_weights_by_name``'s read, checked first, then sent to the followers (they join the gathers)."""
-    wu.plan_read(runner.cfg, name, truncate_size)
+    """Leader: ``get_weights_by_name``'s read; with followers, checked first, then sent (they join the gathers)."""
     if runner.channel is None:
         return wu.read_weight(runner.cfg, runner.params, name, truncate_size)
+    wu.plan_read(runner.cfg, name, truncate_size)  # a refused read sends nothing
     send_update(runner.channel, {"source": "read", "name": name})
     return wu.read_weight(runner.cfg, runner.params, name, truncate_size, fetch=gathered)

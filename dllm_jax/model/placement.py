@@ -201,7 +201,7 @@ class _Placer:
         self.mesh = mesh
         self.pending: dict[tuple, Any] = {}  # (chunked tensor, leaf) -> its output being filled
         self.stacks: dict[tuple, Any] = {}  # stacked expert / fused leaf path -> device array being filled
-        self.host_stacks: dict[tuple, np.ndarray] = {}  # ... on CPU without a cast: its host buffer (_write_host)
+        self.host_stacks: dict[tuple, np.ndarray] = {}  # ... on CPU without a cast: its host buffer (write_host)
         self.filled: dict[tuple, set] = {}  # ... -> (expert, segment) pieces written so far
         self.in_flight: list[tuple[_Job, list]] = []  # dispatched jobs and the device arrays to wait for
         device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
@@ -233,7 +233,7 @@ class _Placer:
         for part, target in zip(job.parts, job.targets) if job.mode != "whole" else ():
             leaf_shape = get_leaf(shapes, part.path)
             if job.mode in ("expert", "fused") and self.host_platform and host.dtype == np.dtype(target):
-                self._write_host(part, leaf_shape, host)  # synchronous: nothing to wait for
+                self.write_host(part, leaf_shape, host)  # synchronous: nothing to wait for
                 continue
             if job.mode in ("expert", "fused"):
                 if part.path not in self.stacks:
@@ -263,7 +263,7 @@ class _Placer:
         while len(self.in_flight) > MAX_IN_FLIGHT:
             self.retire()
 
-    def _write_host(self, part: Part, leaf_shape: tuple, host: np.ndarray) -> None:
+    def write_host(self, part: Part, leaf_shape: tuple, host: np.ndarray) -> None:
         """CPU, no cast: copy an expert's or a segment's rows from the mapped file straight into the leaf's host
         buffer (one copy; :meth:`finish` hands the filled buffer to XLA, which adopts it). On the device path
         (:func:`_write_fn`) the zero fill, the argument's transfer and the donated update cost three."""
