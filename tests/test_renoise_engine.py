@@ -201,3 +201,38 @@ def test_abort_and_stop_strings(fdfo):
     assert cut["meta_info"]["finish_reason"]["type"] == "stop" and stop not in cut["text"]
     assert text.startswith(cut["text"]) and len(cut["text"]) <= text.index(stop)
     fdfo.scheduler.check_pages()
+
+
+def test_warmup_compiles_every_bucket_traffic_needs(model_dir, reference):
+    """DiffusionGemma's shape buckets: warm-up compiles them (denoise at every page-table width, encodes of one row
+    at every chunk, of several canvases at once), and mixed traffic then compiles nothing in line; an encode of
+    several prompts, a shape warm-up leaves out, compiles on the background thread while the prompts encode one
+    at a time, with the same answers."""
+    from dllm_jax.engine.compilation import compiled_executables
+
+    engine = _engine(model_dir, max_running_requests=4, context_length=64, max_prefill_tokens=32)
+    try:
+        assert engine.warmup() == engine.runner.num_buckets() == len(set(engine.runner.buckets())) > 0
+        before = compiled_executables()
+        rng = __import__("numpy").random.default_rng(0)
+        for _ in range(3):  # canvases finishing alone and together, chunked prompts, cache hits
+            k = int(rng.integers(1, 5))
+            prompts = [PROMPTS[int(i)] for i in rng.integers(0, len(PROMPTS), k)]
+            engine.generate(input_ids=prompts, sampling_params=[{"max_new_tokens": int(rng.integers(1, 20)), "seed": i,
+                                                                 "ignore_eos": True} for i in range(k)])
+            engine.scheduler.check_pages()
+        assert compiled_executables() == before
+        engine.flush_cache()
+        outs = engine.generate(input_ids=[PROMPTS[0], PROMPTS[2]], sampling_params=[  # prompt rows of 11, 22 tokens
+            {"max_new_tokens": 10, "seed": 40 + i, "ignore_eos": True} for i in (0, 2)])
+        assert [o["output_ids"] for o in outs] == [reference[0].output_ids, reference[2].output_ids]
+        key = engine.runner.encode_key(2, 22, 2)
+        assert key not in engine.runner.buckets()
+        for _ in range(200):
+            if key in engine.runner.compiler.compiled:
+                break
+            engine.runner.compiler.wait(0.1)
+        assert key in engine.runner.compiler.compiled  # compiled aside, for the next such call
+        engine.scheduler.check_pages()
+    finally:
+        engine.shutdown()

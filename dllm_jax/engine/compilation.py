@@ -139,7 +139,7 @@ def bucket_keys(buckets: ShapeBuckets, prefill_width: int, *, sampling: bool = F
 # ----------------------------------------------------------------------------------------------
 # The count of executables obtained (compiled, or loaded from the persistent cache)
 # ----------------------------------------------------------------------------------------------
-_STEP_FUNCTIONS = ("jit(denoise_packed)", "jit(prefill)")
+_STEP_FUNCTIONS = ("jit(denoise_packed)", "jit(prefill)", "jit(encode_chunk)", "jit(_denoise_loop)")
 _compiles = [0]
 _listening = threading.Lock()
 _listener_installed = [False]
@@ -201,6 +201,7 @@ class Compiler:
         self.lower = lower
         self.background = background
         self.compiled: set[tuple] = set()
+        self.warmed = False  # warm-up ran: a shape it did not cover compiles in the background (compile_soon)
         self.warmed_classes: set[tuple[bool, int]] = set()  # (sampling, variant) compiled for every bucket
         self._compiling: dict[tuple, concurrent.futures.Future] = {}
         self._failed: dict[tuple, BaseException] = {}
@@ -231,6 +232,7 @@ class Compiler:
             for future in pending:
                 future.result()  # a compile error surfaces here, in the caller's thread
         self.compiled.update(keys)
+        self.warmed = True
         self.warmed_classes.update(k[3:] for k in keys if k[0] == "denoise")
         return len(keys)
 

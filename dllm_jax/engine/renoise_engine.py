@@ -74,7 +74,9 @@ class RenoiseServing:
         self.tensor_parallel_size, self.expert_parallel_size, self.mesh = 1, 1, None
         self.runner = RenoiseRunner(loaded.params, cfg, self.rcfg,
                                     num_pages={FULL_KIND: budget.num_pages, SLIDING_KIND: sliding_pages},
-                                    page_size=S, max_rows=o.max_running_requests, backend=self.confidence_backend,
+                                    page_size=S, max_rows=o.max_running_requests,
+                                    max_pages_per_row=-(-self.context_length // S), max_chunk=chunk,
+                                    first_finish=o.schedule != "sync", backend=self.confidence_backend,
                                     dtype=o.dtype)
         self.output = Output(self.tokenizer, block_size=C, mask_token_id=None)
         self.scheduler = RenoiseScheduler(

@@ -8,12 +8,20 @@ page tables, and gets back only what the host needs (which rows finished, their 
   power of two, tokens to a power-of-two chunk; pads write to the trash page);
 * :meth:`denoise` -- denoising steps on the device (a ``while_loop``) until the first live row finishes its canvas
   (FDFO) or all do (sync), at most ``max_steps``.
+
+Shape buckets (:meth:`buckets`; compiled by :meth:`warmup`, every dimension a power of two): a denoise call is
+``CanvasKey(width)`` (every slot, the page tables ``width`` pages wide); an encode call ``EncodeKey(rows, chunk,
+width)``. Warm-up compiles every denoise width, encodes of one row at every chunk its prefix can follow (a prompt
+or its chunks), and encodes of 2, 4, ... rows of one canvas each (finished canvases, encoded together). Any other
+encode shape (several prompts at once) compiles on the compiler's background thread while the scheduler encodes
+the requests one at a time (:meth:`encode_key`, :class:`~dllm_jax.engine.compilation.Compiler`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +29,7 @@ import numpy as np
 
 from dllm_jax.config import ModelConfig
 from dllm_jax.decode import renoise
+from dllm_jax.engine.compilation import Compiler, pow2_buckets
 from dllm_jax.model import gemma
 from pallas_kernels import next_pow2
 
@@ -45,7 +54,6 @@ class DenoiseCall:
     tables: dict  # kind -> [max_rows, width]
     live: np.ndarray  # [max_rows] bool: slots with a request decoding
     max_steps: int
-    first_finish: bool  # FDFO: stop at the first live row that finishes
 
 
 @dataclasses.dataclass
@@ -57,19 +65,34 @@ class DenoiseResult:
     entropy: np.ndarray  # [R] float32
 
 
-class _NoCompiler:
-    def wait(self, seconds: float) -> None:  # the SDAR scheduler's background-compile wait; nothing to wait for
-        return None
+MIN_CHUNK = 16  # the smallest encode chunk (tokens per row)
+
+
+class EncodeKey(NamedTuple):
+    kind: str  # "encode"
+    rows: int
+    chunk: int
+    width: int
+
+
+class CanvasKey(NamedTuple):
+    kind: str  # "canvas"
+    width: int
 
 
 class RenoiseRunner:
     channel = None  # single process (multi-process serving of this family is not built)
-    compiler = _NoCompiler()
 
     def __init__(self, params, cfg: ModelConfig, rcfg: renoise.RenoiseConfig, *, num_pages: dict, page_size: int,
-                 max_rows: int, backend: str = "xla", dtype=jnp.float32):
+                 max_rows: int, max_pages_per_row: int, max_chunk: int, first_finish: bool = True,
+                 backend: str = "xla", dtype=jnp.float32):
         self.params, self.cfg, self.rcfg = params, cfg, rcfg
         self.page_size, self.max_rows, self.dtype = page_size, max_rows, jnp.dtype(dtype)
+        self.first_finish = first_finish
+        self.widths = pow2_buckets(max_pages_per_row)
+        self.chunks = tuple(c for c in pow2_buckets(max(MIN_CHUNK, max_chunk)) if c >= MIN_CHUNK)
+        self.rows = pow2_buckets(max_rows)
+        self.compiler = Compiler(self._lower)
         self.num_pages = dict(num_pages)
         self.pool = gemma.init_kv_pages(cfg, num_pages, page_size, self.dtype)
         zeros = jnp.zeros((max_rows,), jnp.uint32)
@@ -81,11 +104,38 @@ class RenoiseRunner:
         self._denoise = jax.jit(functools.partial(_denoise_loop, cfg=cfg, rcfg=rcfg, backend=backend),
                                 donate_argnames="state", static_argnames="first_finish")
 
-    def num_buckets(self, **variants) -> int:
-        return 0  # shapes compile on first use (see the class docstring)
+    # -- shapes -----------------------------------------------------------------------------------
+    def encode_key(self, rows: int, longest: int, width: int) -> EncodeKey:
+        return EncodeKey("encode", next_pow2(rows), max(MIN_CHUNK, next_pow2(longest)), next_pow2(width))
 
-    def warmup(self, **variants) -> int:
-        return 0
+    def canvas_key(self, width: int) -> CanvasKey:
+        return CanvasKey("canvas", next_pow2(width))
+
+    def buckets(self, **variants) -> list:
+        """The keys warm-up compiles (the module's doc): ``variants`` (the SDAR step's) do not apply here."""
+        canvas_chunk = max(MIN_CHUNK, next_pow2(self.cfg.block_size))
+        keys = [CanvasKey("canvas", w) for w in self.widths]
+        keys += [EncodeKey("encode", 1, c, w) for c in self.chunks for w in self.widths if 2 * w * self.page_size >= c]
+        keys += [EncodeKey("encode", r, canvas_chunk, w) for r in self.rows[1:] for w in self.widths]
+        return keys
+
+    def num_buckets(self, **variants) -> int:
+        return len(self.buckets())
+
+    def warmup(self, *, on_bucket=None, **variants) -> int:
+        return self.compiler.warmup(self.buckets(), on_key=on_bucket)
+
+    def _lower(self, key):
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
+        if key.kind == "encode":
+            tables = {k: i32(key.rows, key.width) for k in self.num_pages}
+            return self._encode.lower(self.params, tokens=i32(key.rows, key.chunk), prefix_len=i32(key.rows),
+                                      num_tokens=i32(key.rows), kv_pages=self.pool, page_tables=tables)
+        R = self.max_rows
+        flags = jax.ShapeDtypeStruct((R,), np.bool_)
+        return self._denoise.lower(self.params, self.state, flags, flags, jax.ShapeDtypeStruct((R,), np.uint32),
+                                   i32(R), i32(R), self.pool, {k: i32(R, key.width) for k in self.num_pages}, i32(),
+                                   first_finish=self.first_finish)
 
     def stop_followers(self) -> None:
         return None
@@ -99,27 +149,31 @@ class RenoiseRunner:
         return self.denoise(call)
 
     def encode(self, call: EncodeCall) -> None:
-        rows = next_pow2(len(call.reqs))
-        chunk = max(16, next_pow2(max(len(t) for t in call.tokens)))
+        width = next(iter(call.tables.values())).shape[1]
+        key = self.encode_key(len(call.reqs), max(len(t) for t in call.tokens), width)
+        rows, chunk = key.rows, key.chunk
         tokens = np.zeros((rows, chunk), np.int32)
         counts = np.zeros(rows, np.int32)
         starts = np.zeros(rows, np.int32)
         for i, (toks, start) in enumerate(zip(call.tokens, call.starts)):
             tokens[i, :len(toks)], counts[i], starts[i] = toks, len(toks), start
-        tables = {k: _pad_rows(v, rows) for k, v in call.tables.items()}
+        tables = {k: _pad(v, rows, key.width) for k, v in call.tables.items()}
         self.pool = self._encode(self.params, tokens=jnp.asarray(tokens), prefix_len=jnp.asarray(starts),
                                  num_tokens=jnp.asarray(counts), kv_pages=self.pool,
                                  page_tables={k: jnp.asarray(v) for k, v in tables.items()})
+        self.compiler.ran(key)
         self.calls["encode"] += 1
 
     def denoise(self, call: DenoiseCall) -> DenoiseResult:
         start = np.zeros(self.max_rows, bool)
         start[call.start_slots] = True
+        key = self.canvas_key(next(iter(call.tables.values())).shape[1])
         self.state, steps = self._denoise(
             self.params, self.state, jnp.asarray(start), jnp.asarray(call.live), jnp.asarray(call.seeds),
             jnp.asarray(call.canvas_index), jnp.asarray(call.prefix_len), self.pool,
-            {k: jnp.asarray(v) for k, v in call.tables.items()}, jnp.int32(call.max_steps),
-            first_finish=call.first_finish)
+            {k: jnp.asarray(_pad(v, self.max_rows, key.width)) for k, v in call.tables.items()},
+            jnp.int32(call.max_steps), first_finish=self.first_finish)
+        self.compiler.ran(key)
         s = self.state
         finished, argmax, logprob, steps, entropy = jax.device_get((s.finished, s.argmax, s.logprob, steps, s.entropy))
         self.calls["denoise"] += 1
@@ -128,9 +182,10 @@ class RenoiseRunner:
                              np.asarray(entropy))
 
 
-def _pad_rows(table: np.ndarray, rows: int) -> np.ndarray:
-    out = np.zeros((rows, table.shape[1]), np.int32)
-    out[:table.shape[0]] = table
+def _pad(table: np.ndarray, rows: int, width: int) -> np.ndarray:
+    """A page table padded to ``[rows, width]`` (padding: page 0, the trash page)."""
+    out = np.zeros((rows, width), np.int32)
+    out[:table.shape[0], :table.shape[1]] = table
     return out
 
 

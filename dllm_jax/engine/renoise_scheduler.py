@@ -235,7 +235,15 @@ class RenoiseScheduler(CommitMixin):
         if not ready:
             return None
         tokens = [r.real_ids[self._kv_len[r]:self._kv_len[r] + self.chunk] for r in ready]
-        return EncodeCall(ready, tokens, [self._kv_len[r] for r in ready], self._tables(ready, by_slot=False))
+        tables = self._tables(ready, by_slot=False)
+        compiler = self.runner.compiler
+        if compiler.warmed and len(ready) > 1:
+            key = self.runner.encode_key(len(ready), max(map(len, tokens)), tables[FULL_KIND].shape[1])
+            if key not in compiler.compiled:  # a shape warm-up did not cover: compiled aside, one row meanwhile
+                compiler.compile_soon(key)
+                ready, tokens = ready[:1], tokens[:1]
+                tables = self._tables(ready, by_slot=False)
+        return EncodeCall(ready, tokens, [self._kv_len[r] for r in ready], tables)
 
     def _commit_encode(self, call: EncodeCall) -> None:
         self.stats["prefill_forwards"] += 1
@@ -266,8 +274,8 @@ class RenoiseScheduler(CommitMixin):
         steps = self.max_steps_per_call
         if any(r.provisional for r in reqs):
             steps = 1  # the host sees every step (provisional frames)
-        return DenoiseCall(list(reqs), starting, seeds, canvas_index, prefix, self._tables(reqs, by_slot=True), live, steps,
-                           self.first_finish)
+        return DenoiseCall(list(reqs), starting, seeds, canvas_index, prefix, self._tables(reqs, by_slot=True), live,
+                           steps)
 
     def _commit_denoise(self, call: DenoiseCall, out: DenoiseResult) -> None:
         self.stats["denoise_calls"] += 1
