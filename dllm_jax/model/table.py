@@ -89,7 +89,8 @@ class Leaf:
 
     @property
     def axes_key(self) -> str:
-        """The leaf's name in :data:`~dllm_jax.model.params.PARAM_AXES` (``moe.`` prefixed inside a sparse layer's ``moe`` dict)."""
+        """The leaf's name in :data:`~dllm_jax.model.params.PARAM_AXES` (``moe.`` prefixed inside a sparse layer's
+        ``moe`` dict)."""
         return "moe." + self.key if self.where == MOE else self.key
 
     def hf_names(self, family: str) -> tuple[str, ...]:
@@ -166,7 +167,8 @@ class ParamTable:
 
 
 def axes_key(path: tuple) -> str:
-    """The :data:`~dllm_jax.model.params.PARAM_AXES` key of a pytree path (its last key, ``moe.`` prefixed under ``moe``)."""
+    """The :data:`~dllm_jax.model.params.PARAM_AXES` key of a pytree path (its last key, ``moe.`` prefixed under
+    ``moe``)."""
     keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
     return "moe." + keys[-1] if "moe" in keys[:-1] else keys[-1]
 
