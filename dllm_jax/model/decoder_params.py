@@ -21,11 +21,12 @@ so the forward runs one matmul where it ran three / two. Such a row lists its **
 (:class:`~dllm_jax.model.table.Segment`), one per checkpoint tensor (``q_proj``, ``k_proj``, ``v_proj``;
 ``gate_proj``, ``up_proj``) with its rows and names; each checkpoint tensor is copied into its segment's rows.
 Segments that share a name are one fused checkpoint tensor (LLaDA2's ``query_key_value``, transformers 5's
-``gate_up_proj``): on one shard block that tensor IS the leaf (one copy). The rows are laid out **shard-major** for tensor parallelism: with ``g`` blocks (``ModelConfig.tp_shards``,
-the engine's TP degree, when every shard gets whole q and KV heads / equal MLP halves; else 1), block ``s`` is
-``[q_s; k_s; v_s]`` (``[gate_s; up_s]``), so splitting the out axis over ``g`` shards gives each shard its own heads
-(a plain ``[q; k; v]`` split over shards would not). :mod:`dllm_jax.model.fused_layout` holds that layout; the unfused
-names (``layers.0.q``: the leaves before fusion) still name their segments.
+``gate_up_proj``): on one shard block that tensor IS the leaf (one copy). The rows are laid out **shard-major** for
+tensor parallelism: with ``g`` blocks (``ModelConfig.tp_shards``, the engine's TP degree, when every shard gets
+whole q and KV heads / equal MLP halves; else 1), block ``s`` is ``[q_s; k_s; v_s]`` (``[gate_s; up_s]``), so
+splitting the out axis over ``g`` shards gives each shard its own heads (a plain ``[q; k; v]`` split over shards
+would not). :mod:`dllm_jax.model.fused_layout` holds that layout; the unfused names (``layers.0.q``: the leaves
+before fusion) still name their segments.
 
 Projection matrices (``matrix=True``) are stored as the checkpoints store them, ``[out, in]`` (stacked experts
 ``[E, out, in]``; the LM head ``[V, H]`` like the embedding), and the forward contracts their last axis
