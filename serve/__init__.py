@@ -9,8 +9,12 @@ __all__ = ["create_app", "ServerSettings"]
 
 
 def __getattr__(name):
-    if name in ("create_app", "ServerSettings"):
-        import importlib
+    if name == "create_app":
+        from serve.app import create_app
 
-        return getattr(importlib.import_module("serve.app" if name == "create_app" else "serve.settings"), name)
+        return create_app
+    if name == "ServerSettings":
+        from serve.settings import ServerSettings
+
+        return ServerSettings
     raise AttributeError(f"module 'serve' has no attribute {name!r}")

@@ -62,7 +62,7 @@ def create_app(engine=None, settings: ServerSettings | None = None, *,
     serve:create_app`` works). The app starts the engine's loop once it has the engine and, if it owns the
     engine, shuts it down at exit."""
     if engine is None and engine_factory is None:
-        from serve.cli import engine_and_settings_from_env
+        from serve.args import engine_and_settings_from_env
 
         engine_factory, env_settings = engine_and_settings_from_env()
         settings = settings or env_settings

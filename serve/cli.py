@@ -1,9 +1,10 @@
 """``dllm-jax serve`` / ``python -m serve``: the HTTP server.
 
 ``dllm-jax serve`` comes from :func:`register` (the ``dllm_jax.commands`` entry point in pyproject.toml: ``serve``
-depends on ``dllm_jax``, never the reverse): :func:`add_arguments` plus the shared engine flags
-(``dllm_jax.cli.add_engine_arguments``), then :func:`main`. ``python -m serve`` builds the same parser here.
-``uvicorn --factory serve:create_app`` reads the same flags from the ``DLLM_JAX_SERVE_ARGS`` environment variable.
+depends on ``dllm_jax``, never the reverse): :func:`serve.args.add_arguments` plus the shared engine flags
+(``dllm_jax.cli.add_engine_arguments``), then :func:`main`. ``python -m serve`` builds the same parser
+(:func:`serve.args.build_parser`). ``uvicorn --factory serve:create_app`` reads the same flags from the
+``DLLM_JAX_SERVE_ARGS`` environment variable (:func:`serve.args.engine_and_settings_from_env`).
 
 Several processes (one engine over several hosts, see :mod:`dllm_jax.distributed`): run the same command on every
 host with ``--coordinator-address``, ``--num-processes`` and ``--process-id`` (or ``$JAX_COORDINATOR_ADDRESS``,
@@ -22,53 +23,16 @@ import contextlib
 import importlib.util
 import logging
 import os
-import shlex
 import signal
 import sys
 import threading
 
+from serve.args import (ENV_API_KEY, ENV_ARGS, LOG_LEVELS, WARMUP_VARIANTS, add_arguments,  # noqa: F401 (re-exported)
+                        build_parser, engine_and_settings_from_env, settings_from_args, warmup_variants)
+
 for _module in ("fastapi", "uvicorn", "prometheus_client"):
     if importlib.util.find_spec(_module) is None:
         raise ImportError(f"dllm-jax serve needs the {_module!r} package (pip install 'dllm-jax')")
-
-ENV_ARGS = "DLLM_JAX_SERVE_ARGS"
-ENV_API_KEY = "DLLM_JAX_API_KEY"
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default: loopback only; use 0.0.0.0 to serve other machines)")
-    g.add_argument("--port", type=int, default=30000)
-    g.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on every endpoint but /health "
-                        f"(default: ${ENV_API_KEY} if set)")
-    g.add_argument("--served-model-name", default=None, metavar="NAME[,ALIAS...]",
-                   help="the model's name in OpenAI answers, then aliases a request's 'model' may also use (another "
-                        "model is 404 model_not_found; default: the model directory's name)")
-    g.add_argument("--allowed-hosts", default=None, metavar="HOST[,HOST...]",
-                   help="host names a client may use beyond localhost and IP addresses ('name' any port, "
-                        "'name:port', '*' any); other Host headers get 421 (DNS rebinding). Default: none, or any "
-                        "Host when bound to 0.0.0.0 / :: with an API key")
-    g.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="a request body must arrive within this; else 408 and the connection is closed (default 30)")
-    g.add_argument("--max-queued-requests", type=int, default=256,
-                   help="requests that may wait beyond --max-running-requests; more get 503 + Retry-After")
-    g.add_argument("--max-prompt-tokens", type=int, default=None,
-                   help="longer prompts get 400 (default: what fits the context length)")
-    g.add_argument("--max-request-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
-    g.add_argument("--incremental-streaming-output", action="store_true",
-                   help="/generate streams only the new text and ids of each block (default: cumulative, as SGLang)")
-    g.add_argument("--log-level", choices=LOG_LEVELS, default="info")
-    g.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="on SIGTERM / SIGINT, new requests get 503 at once and running ones may finish for this long; "
-                        "then every open stream ends with an error event and every waiting request with a 503 "
-                        "(default 30; 0: at once; a second signal: at once)")
-    g.add_argument("--warmup-variants", default=None, metavar="LIST",
-                   help="also compile these step variants while starting, so that no first such request waits on "
-                        "a compile: a comma list of sampling, logprobs, penalties, or all (default: none)")
 
 
 def register(subparsers) -> None:
@@ -80,42 +44,6 @@ def register(subparsers) -> None:
     add_engine_arguments(s)
     add_distributed_arguments(s)
     s.set_defaults(fn=main)
-
-
-def settings_from_args(args: argparse.Namespace):
-    from serve.settings import ServerSettings
-
-    return ServerSettings(
-        served_model_name=args.served_model_name, api_key=args.api_key or os.environ.get(ENV_API_KEY) or None,
-        max_queued_requests=args.max_queued_requests, max_prompt_tokens=args.max_prompt_tokens,
-        max_request_bytes=args.max_request_bytes, incremental_streaming_output=args.incremental_streaming_output,
-        profile_dir=getattr(args, "profile_dir", None), host=args.host, allowed_hosts=args.allowed_hosts,
-        body_timeout_s=args.body_timeout)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from dllm_jax.cli import add_distributed_arguments, add_engine_arguments
-
-    p = argparse.ArgumentParser(prog="python -m serve", description="dllm-jax HTTP server (SGLang- and "
-                                                                    "OpenAI-style endpoints)")
-    add_arguments(p)
-    add_engine_arguments(p)
-    add_distributed_arguments(p)
-    return p
-
-
-WARMUP_VARIANTS = ("sampling", "logprobs", "penalties")
-
-
-def warmup_variants(value: str | None) -> dict:
-    """``--warmup-variants``: the keyword arguments of ``Engine.warmup``."""
-    names = [v.strip() for v in (value or "").split(",") if v.strip()]
-    if names == ["all"]:
-        names = list(WARMUP_VARIANTS)
-    for name in names:
-        if name not in WARMUP_VARIANTS:
-            raise ValueError(f"warmup_variants: unknown variant {name!r} (sampling, logprobs, penalties, or all)")
-    return {name: True for name in names}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -283,11 +211,3 @@ def run(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:  # stopped while loading (or after serving, while the engine shut down)
         return 0
-
-
-def engine_and_settings_from_env():
-    """(engine factory, settings) from ``$DLLM_JAX_SERVE_ARGS`` (for ``uvicorn --factory serve:create_app``)."""
-    from dllm_jax.cli import build_engine
-
-    args = build_parser().parse_args(shlex.split(os.environ.get(ENV_ARGS, "")))
-    return (lambda: build_engine(args)), settings_from_args(args)

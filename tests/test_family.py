@@ -17,9 +17,9 @@ from dllm_jax.decode.algorithms import make_algorithm
 from dllm_jax.decode.step import DenoiseBatch, StepSpec, denoise, init_kv_pages, kv_bytes_per_page, prefill
 from dllm_jax.model import family as fam
 from dllm_jax.model import qwen3
-from dllm_jax.model.family import LLADA2, SDAR, SDAR_MOE, LayerKV, ModelFamily, family_of
+from dllm_jax.model.family import LLADA2, SDAR, SDAR_MOE, LayerKV, ModelFamily, default_chat_template, family_of
 from dllm_jax.model.params import DECODER, init_params, param_table
-from dllm_jax.model.templates import LLADA2_CHAT_TEMPLATE, default_chat_template
+from dllm_jax.model.templates import LLADA2_CHAT_TEMPLATE
 from dllm_jax.testing import published
 
 EXPECTED = {"sdar": SDAR, "sdar_moe": SDAR_MOE, "llada2": LLADA2}

@@ -12,10 +12,11 @@ from safetensors.numpy import save_file
 
 from dllm_jax.config import ConfigError, ModelConfig
 from dllm_jax.model.converted import save_hf
+from dllm_jax.model.family import default_chat_template
 from dllm_jax.model.loader import CheckpointError, convert_checkpoint, load_model
 from dllm_jax.model.moe import moe_mlp, route, swiglu
 from dllm_jax.model.qwen3 import block_causal_mask, forward_full, rope
-from dllm_jax.model.templates import LLADA2_CHAT_TEMPLATE, default_chat_template, render_llada2_chat
+from dllm_jax.model.templates import LLADA2_CHAT_TEMPLATE, render_llada2_chat
 
 VOCAB = 120
 MASK_ID = 119

@@ -22,8 +22,9 @@ import numpy as np
 
 from dllm_jax.config import ModelConfig
 from dllm_jax.model import gemma_params
+from dllm_jax.model.family import layout_table, param_table
 from dllm_jax.model.fused import fused_groups, segment_rows, split_fused
-from dllm_jax.model.params import DENSE, LAYER, MOE, TABLES, TOP, Leaf, Params, get_leaf, param_table
+from dllm_jax.model.table import DENSE, LAYER, MOE, TOP, Leaf, Params, get_leaf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +101,7 @@ def _index(family: str) -> _Index:
     top: dict[str, list[Leaf]] = {}
     layer: dict[str, list[Leaf]] = {}
     experts = []
-    for leaf in TABLES[family].leaves:
+    for leaf in layout_table(family).leaves:
         named = [(j, seg.names.get(family, ())) for j, seg in enumerate(leaf.segments)] or [(None, leaf.hf_names(family))]
         for j, names in named:
             for name in names:

@@ -4,22 +4,26 @@ A :class:`ModelFamily` says which Hugging Face ``architectures`` / ``model_type`
 
 * **config parsing**: its fields of :class:`~dllm_jax.config.ModelConfig` from a ``config.json`` dict
   (``parse_fields``; :meth:`ModelFamily.parse` gives the whole config);
-* **its parameter table** (:mod:`dllm_jax.model.params`): shapes, sharding axes, dtypes, checkpoint names; the
-  loader, the sharding plan and the initialiser find it through :func:`family_of`;
+* **its parameter table** (a :class:`~dllm_jax.model.table.ParamTable`: shapes, sharding axes, dtypes, checkpoint
+  names). This registry is the only place a table is bound to a family: :func:`param_table` (a config's) and
+  :func:`layout_table` (a checkpoint layout's) look it up here, and :mod:`dllm_jax.model.params` (shapes, dtypes,
+  the initialiser), the loader, the sharding plan and the checkpoint name maps derive from what they return;
 * **its device functions**, pure and traced inside the jitted step (:mod:`dllm_jax.decode.step`):
   ``forward_chunk`` (prefill: encode complete blocks, write their K/V), ``forward_chunk_kv`` (the part of a denoise
   forward that writes K/V: all a commit forward runs), ``forward_chunk_rest`` (the rest of a denoise forward: the
   hidden states) and ``logits_from_hidden`` (the head);
-* **its KV layout per layer** (``kv_layout(cfg)``: one :class:`LayerKV` per layer), from which the page pool and
-  the bytes of one page derive (:func:`dllm_jax.decode.step.init_kv_pages`, ``kv_bytes_per_page``);
+* **its KV layout per layer** (``kv_layout(cfg)``: one :class:`~dllm_jax.model.kv_layout.LayerKV` per layer),
+  from which the page pool and the bytes of one page derive (:func:`dllm_jax.decode.step.init_kv_pages`,
+  ``kv_bytes_per_page``);
 * **its default algorithm** and the per-row algorithm state a block starts with (``init_state``);
-* **its chat template** for tokenizers that ship none, and its default block size.
+* **its chat template** for tokenizers that ship none (:func:`default_chat_template`), and its default block size.
 
 The lookup (:func:`family_of`) is plain Python on hashable static data (a config's ``architecture``): the step
 does it at trace time, so routing through a family adds no jit argument and changes no compiled program.
 
 Registered: SDAR / Qwen3 dense, SDAR-MoE (Qwen3-MoE) and LLaDA2. The three run one decoder
-(:mod:`dllm_jax.model.qwen3`) and one parameter table; they differ in the checkpoint names (``checkpoint_layout``),
+(:mod:`dllm_jax.model.qwen3`) and one parameter table (:mod:`dllm_jax.model.decoder_params`); they differ in the
+checkpoint names (``checkpoint_layout``),
 the config fields they parse, the default block size and the chat template. DiffusionGemma
 (:mod:`dllm_jax.model.gemma`, its own table :mod:`dllm_jax.model.gemma_params` and heterogeneous KV layout)
 decodes with Gemma4Renoise (:mod:`dllm_jax.decode.renoise`), served by its own runner and scheduler
@@ -29,30 +33,16 @@ decodes with Gemma4Renoise (:mod:`dllm_jax.decode.renoise`), served by its own r
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
-from dllm_jax import config as config_module
+from dllm_jax import hf_config
 from dllm_jax.config import ConfigError, ModelConfig
 from dllm_jax.model import gemma, qwen3
+from dllm_jax.model.decoder_params import DECODER
 from dllm_jax.model.gemma_params import GEMMA
-from dllm_jax.model.params import DECODER, ParamTable
+from dllm_jax.model.kv_layout import LayerKV, uniform_kv_layout
+from dllm_jax.model.table import ParamTable
 from dllm_jax.model.templates import GEMMA_CHAT_TEMPLATE, LLADA2_CHAT_TEMPLATE
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerKV:
-    """What one layer keeps in the KV page pool: a K and a V array ``[kv_heads, pages, B, head_dim]`` each."""
-
-    kv_heads: int
-    head_dim: int
-    dtype: Any = None  # stored dtype; None: the engine's KV dtype (``kv_dtype``)
-    window: int | None = None  # a sliding-window layer never reads keys older than this (None: full attention)
-    tensors: int = 2  # arrays per layer: K and V, or one (DiffusionGemma's full layers keep the raw k projection)
-
-
-def uniform_kv_layout(cfg: ModelConfig) -> tuple[LayerKV, ...]:
-    """Every layer alike: ``num_kv_heads`` heads of ``head_dim``, full attention, the pool's dtype."""
-    return (LayerKV(cfg.num_kv_heads, cfg.head_dim),) * cfg.num_layers
 
 
 def algorithm_state(cfg: ModelConfig, algorithm, num_rows: int, block_size: int):
@@ -62,11 +52,11 @@ def algorithm_state(cfg: ModelConfig, algorithm, num_rows: int, block_size: int)
 
 
 def _qwen3_fields(hf: dict, num_layers: int, head_dim: int, source: str) -> dict:
-    return config_module._qwen3_fields(hf, num_layers, source)
+    return hf_config._qwen3_fields(hf, num_layers, source)
 
 
 def _llada2_fields(hf: dict, num_layers: int, head_dim: int, source: str) -> dict:
-    return config_module._llada2_fields(hf, num_layers, head_dim, source)
+    return hf_config._llada2_fields(hf, num_layers, head_dim, source)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # identity equality and hash: a family is a registered singleton
@@ -88,7 +78,7 @@ class ModelFamily:
     default_algorithm: str = "LowConfidence"  # dllm_jax.decode.algorithms.ALGORITHMS name
     init_state: Callable = algorithm_state  # (cfg, algorithm, num_rows, block_size) -> per-row state
     chat_template: str | None = None  # used when the tokenizer ships none (None: prompts stay raw)
-    default_block_size: int = config_module.DEFAULT_SDAR_BLOCK_SIZE
+    default_block_size: int = hf_config.DEFAULT_SDAR_BLOCK_SIZE
     uses_mask_token: bool = True  # False: the canvas starts from noise (no mask id needed)
 
     def parse(self, hf: dict, source: str = "config.json") -> ModelConfig:
@@ -121,9 +111,9 @@ SDAR_MOE = ModelFamily(
     name="sdar_moe", architectures=("Qwen3MoeForCausalLM", "SDARMoeForCausalLM"), model_types=("qwen3_moe", "sdar_moe"),
     parse_fields=_qwen3_fields, param_table=DECODER, checkpoint_layout="qwen3", **_DEVICE_FUNCTIONS)
 LLADA2 = ModelFamily(
-    name="llada2", architectures=config_module.LLADA2_ARCHITECTURES, model_types=config_module.LLADA2_MODEL_TYPES,
+    name="llada2", architectures=hf_config.LLADA2_ARCHITECTURES, model_types=hf_config.LLADA2_MODEL_TYPES,
     parse_fields=_llada2_fields, param_table=DECODER, checkpoint_layout="llada2", chat_template=LLADA2_CHAT_TEMPLATE,
-    default_block_size=config_module.DEFAULT_LLADA2_BLOCK_SIZE, **_DEVICE_FUNCTIONS)
+    default_block_size=hf_config.DEFAULT_LLADA2_BLOCK_SIZE, **_DEVICE_FUNCTIONS)
 
 
 
@@ -133,8 +123,8 @@ def _gemma_not_mask_based(*args, **kwargs):
 
 
 DIFFUSION_GEMMA = ModelFamily(
-    name="diffusion_gemma", architectures=config_module.DIFFUSION_GEMMA_ARCHITECTURES,
-    model_types=config_module.DIFFUSION_GEMMA_MODEL_TYPES, parse_fields=lambda *a: {}, param_table=GEMMA,
+    name="diffusion_gemma", architectures=hf_config.DIFFUSION_GEMMA_ARCHITECTURES,
+    model_types=hf_config.DIFFUSION_GEMMA_MODEL_TYPES, parse_fields=lambda *a: {}, param_table=GEMMA,
     checkpoint_layout="diffusion_gemma", forward_chunk=_gemma_not_mask_based,
     forward_chunk_kv=_gemma_not_mask_based, forward_chunk_rest=_gemma_not_mask_based,
     logits_from_hidden=_gemma_not_mask_based, kv_layout=gemma.kv_layout, default_algorithm="Gemma4Renoise",
@@ -192,6 +182,27 @@ def family_of(model: ModelConfig | dict, *, source: str = "config.json") -> Mode
     if family is None:
         raise ConfigError(f"{source}: {_unclaimed(_describe(model))}")
     return family
+
+
+def param_table(cfg: ModelConfig | None = None) -> ParamTable:
+    """The parameter table of ``cfg``'s family (SDAR / Qwen3, SDAR-MoE and LLaDA2 share the decoder's; None:
+    SDAR's). A config no family claims: a :class:`~dllm_jax.config.ConfigError`, as :func:`family_of`."""
+    return SDAR.param_table if cfg is None else family_of(cfg).param_table
+
+
+def layout_table(layout: str) -> ParamTable:
+    """The parameter table of the family whose checkpoint layout is ``layout`` (``ModelConfig.family``: ``"qwen3"``,
+    ``"llada2"``, ``"diffusion_gemma"``); a KeyError when none is."""
+    for family in _FAMILIES:
+        if family.checkpoint_layout == layout:
+            return family.param_table
+    raise KeyError(layout)
+
+
+def default_chat_template(cfg: ModelConfig) -> str | None:
+    """The template to use when the tokenizer has none (None: keep none; the caller formats raw prompts): the
+    model family's (:attr:`ModelFamily.chat_template`)."""
+    return family_of(cfg).chat_template
 
 
 def _describe(hf: dict) -> str:

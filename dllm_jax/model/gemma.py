@@ -36,9 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dllm_jax.config import ModelConfig
+from dllm_jax.model.kv_layout import LayerKV
 from dllm_jax.model.moe import contract, grouped_experts, linear
-from dllm_jax.model.params import Params
 from dllm_jax.model.qwen3 import embed_tokens, kv_to_storage, kv_values
+from dllm_jax.model.table import Params
 
 SLIDING_KIND, FULL_KIND = "sliding", "full"  # page-table keys
 
@@ -97,10 +98,8 @@ def geometry(cfg: ModelConfig, i: int) -> LayerGeometry:
 
 
 def kv_layout(cfg: ModelConfig):
-    """What each layer keeps in the pool (:class:`dllm_jax.model.family.LayerKV`): a sliding layer K and V of its
-    window, a full layer the raw k projection alone."""
-    from dllm_jax.model.family import LayerKV
-
+    """What each layer keeps in the pool (:class:`~dllm_jax.model.kv_layout.LayerKV`): a sliding layer K and V of
+    its window, a full layer the raw k projection alone."""
     out = []
     for i in range(cfg.num_layers):
         g = geometry(cfg, i)

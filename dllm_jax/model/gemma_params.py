@@ -12,7 +12,7 @@ The pytree (:mod:`dllm_jax.model.gemma` runs it):
 A layer holds its attention (sliding layers a ``v`` projection; full layers none, with their own head dim and KV
 heads: the ``G*`` shape symbols), a dense gated-GELU MLP and a mixture of experts (router with its scale vectors;
 experts stacked ``[E, out, in]``, gate and up split by rows from the checkpoint's fused ``gate_up_proj``; every
-matrix ``[out, in]`` as the checkpoint stores it, see :mod:`dllm_jax.model.params`), its norms and
+matrix ``[out, in]`` as the checkpoint stores it, see :mod:`dllm_jax.model.decoder_params`), its norms and
 ``layer_scalar``. Checkpoint names are relative to a stack's ``layers.{i}.`` (``model.encoder.language_model.`` or
 ``model.decoder.``); top-level names are absolute. :mod:`dllm_jax.model.checkpoint_names` maps them.
 """
@@ -23,7 +23,7 @@ import functools
 from typing import Iterator
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.model.params import LAYER, TOP, Leaf, ParamTable, Params, _leaf, axes_key, register_table
+from dllm_jax.model.table import LAYER, TOP, Leaf, ParamTable, Params, axes_key, row
 
 LAYOUT = "diffusion_gemma"
 SLIDING_LAYER, FULL_LAYER = "sliding_layer", "full_layer"  # leaves only sliding / only full layers have
@@ -37,7 +37,7 @@ def _untied(c: ModelConfig) -> bool:
 
 
 def _g(key, where, shape, axes, init, name, **kw) -> Leaf:
-    return _leaf(key, where, shape, axes, init, {LAYOUT: name}, **kw)
+    return row(key, where, shape, axes, init, {LAYOUT: name}, **kw)
 
 
 _H = ("hidden",)
@@ -152,5 +152,4 @@ class GemmaTable(ParamTable):
                     yield (stack, i, leaf.key), leaf
 
 
-GEMMA = GemmaTable(GEMMA_LEAVES)
-register_table(LAYOUT, GEMMA)
+GEMMA = GemmaTable(GEMMA_LEAVES)  # DiffusionGemma's family carries it (dllm_jax.model.family)

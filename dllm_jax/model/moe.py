@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.model.fused import fused_axis_groups
+from dllm_jax.model.fused_layout import fused_axis_groups
 
 
 def contract(x, w):

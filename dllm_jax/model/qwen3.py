@@ -29,9 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.model.fused import fused_axis_groups
+from dllm_jax.model.fused_layout import fused_axis_groups
 from dllm_jax.model.moe import contract, linear, moe_mlp, swiglu
-from dllm_jax.model.params import Params
+from dllm_jax.model.table import Params
 
 
 # ----------------------------------------------------------------------------------------------

@@ -4,11 +4,12 @@ SDAR checkpoints carry their Qwen3 template in the tokenizer; LLaDA2.x uses the 
 (``<role>SYSTEM</role>...<|role_end|><role>HUMAN</role>...<|role_end|><role>ASSISTANT</role>``), written here
 so a tokenizer without ``chat_template`` still formats chats the way the model was trained. Without a system
 message the system turn is ``detailed thinking off``, as in the published LLaDA2 examples.
+
+Each model family names its template (:attr:`dllm_jax.model.family.ModelFamily.chat_template`;
+:func:`dllm_jax.model.family.default_chat_template` gives a config's).
 """
 
 from __future__ import annotations
-
-from dllm_jax.config import ModelConfig
 
 LLADA2_DEFAULT_SYSTEM = "detailed thinking off"
 
@@ -27,14 +28,6 @@ LLADA2_CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<role>ASSISTANT</role>' -}}{%- endif -%}"
 )
-
-
-def default_chat_template(cfg: ModelConfig) -> str | None:
-    """The template to use when the tokenizer has none (None: keep none; the caller formats raw prompts): the
-    model family's (:attr:`dllm_jax.model.family.ModelFamily.chat_template`)."""
-    from dllm_jax.model.family import family_of  # the families import this module
-
-    return family_of(cfg).chat_template
 
 
 def render_llada2_chat(messages: list[dict], add_generation_prompt: bool = True) -> str:
