@@ -377,6 +377,7 @@ def scheduler_overhead(cfg, params, *, requests: int = 32, prompt_blocks: int = 
     from dllm_jax.engine.request import Request
     from dllm_jax.engine.runner import ModelRunner
     from dllm_jax.engine.sampling import SamplingParams
+    from dllm_jax.engine.mask_blocks import MaskBlocks
     from dllm_jax.engine.scheduler import Scheduler
 
     algo = make_algorithm("LowConfidence", {}, model_config=cfg)
@@ -390,9 +391,9 @@ def scheduler_overhead(cfg, params, *, requests: int = 32, prompt_blocks: int = 
     runner = ModelRunner(params, cfg, **kwargs)
     allocator = PageAllocator(num_pages)
     radix = BlockRadixIndex(BLOCK, allocator, enabled=False)
-    sched = Scheduler(runner, allocator, radix, block_size=BLOCK, mask_id=cfg.mask_token_id, eos_token_ids=(0,),
-                      max_running_requests=requests, context_length=pages_per_row * BLOCK,
-                      max_prefill_blocks=runner.max_prefill_blocks)
+    policy = MaskBlocks(runner, allocator, radix, block_size=BLOCK, mask_id=cfg.mask_token_id,
+                        context_length=pages_per_row * BLOCK, max_prefill_blocks=runner.max_prefill_blocks)
+    sched = Scheduler(policy, eos_token_ids=(0,), max_running_requests=requests)
     rng = np.random.default_rng(seed)
     params_ = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
 

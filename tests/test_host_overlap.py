@@ -31,7 +31,7 @@ class Spy:
 
     def __init__(self, scheduler):
         self.prefills, self.retracted_ahead, self.inside = [], 0, False
-        plan, retract = scheduler.schedule_ahead, scheduler._retract
+        plan, retract = scheduler.schedule_ahead, scheduler.retract
 
         def schedule_ahead():
             self.inside = True
@@ -43,11 +43,11 @@ class Spy:
                 self.prefills.append([len(r.real_ids) for r in call.reqs])
             return call
 
-        def _retract(req):
+        def retract_spy(req):
             self.retracted_ahead += self.inside
             return retract(req)
 
-        scheduler.schedule_ahead, scheduler._retract = schedule_ahead, _retract
+        scheduler.schedule_ahead, scheduler.retract = schedule_ahead, retract_spy
 
 
 def _run(engine, first_event):

@@ -121,7 +121,7 @@ def test_sliding_pages_evicted_and_given_back(engines):
     for i, p in enumerate(others):
         on.generate(input_ids=p, sampling_params={"max_new_tokens": 8, "seed": i, "ignore_eos": True})
         on.scheduler.check_pages()
-    index = on.scheduler.index
+    index = on.scheduler.policy.index
     full, sliding = index.held()
     assert len(sliding) < len(full)  # some cached nodes lost their sliding page
     names = ["base", "long_hit", "short_hit"]

@@ -60,9 +60,9 @@ def test_engine_answers_equal_the_loop(model_dir, reference, schedule, fdfo):
             assert out["output_ids"] == reference[i].output_ids  # 10 tokens: the third canvas cut at 2
             assert out["meta_info"]["finish_reason"]["type"] == "length"
         engine.scheduler.check_pages()
-        held_full, held_sliding = engine.scheduler.index.held()  # what the prefix cache keeps; the rest is free
-        assert engine.scheduler.full.num_free + len(held_full) == engine.scheduler.full.capacity
-        assert engine.scheduler.sliding.num_free + len(held_sliding) == engine.scheduler.sliding.capacity
+        held_full, held_sliding = engine.scheduler.policy.index.held()  # what the prefix cache keeps; the rest is free
+        assert engine.scheduler.policy.full.num_free + len(held_full) == engine.scheduler.policy.full.capacity
+        assert engine.scheduler.policy.sliding.num_free + len(held_sliding) == engine.scheduler.policy.sliding.capacity
         info = engine.get_model_info()
         assert info["algorithm"] == "Gemma4Renoise" and info["canvas_length"] == 4
         assert info["algorithm_config"]["max_denoising_steps"] == STEPS

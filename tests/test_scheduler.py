@@ -19,6 +19,7 @@ from dllm_jax.cache.radix import BlockRadixIndex
 from dllm_jax.engine.calls import DecodeOutput, DenoiseCall, Failed, PrefillCall
 from dllm_jax.engine.request import Phase, Request
 from dllm_jax.engine.sampling import SamplingParams
+from dllm_jax.engine.mask_blocks import MaskBlocks
 from dllm_jax.engine.scheduler import Scheduler
 
 MASK, EOS = 63, 1
@@ -130,8 +131,9 @@ def make(B=4, pages=64, max_running=4, context=64, cache=True, loop=False, waiti
     runner = FakeRunner(B, loop=loop, waiting_keys=waiting_keys, chain=chain)
     allocator = PageAllocator(pages)
     radix = BlockRadixIndex(B, allocator, enabled=cache)
-    sched = Scheduler(runner, allocator, radix, block_size=B, mask_id=MASK, eos_token_ids=(EOS,),
-                      max_running_requests=max_running, context_length=context, max_prefill_blocks=2)
+    policy = MaskBlocks(runner, allocator, radix, block_size=B, mask_id=MASK, context_length=context,
+                        max_prefill_blocks=2)
+    sched = Scheduler(policy, eos_token_ids=(EOS,), max_running_requests=max_running)
     return sched, runner
 
 
@@ -168,7 +170,7 @@ def test_every_schedule_gives_the_reference_outputs(loop, cache, max_running, pa
         assert req.finish_reason == {"type": "length", "length": 10}
     if pages == 9:
         assert sched.stats["retractions"] > 0
-    assert not sched.running and sched.radix.protected == 0
+    assert not sched.running and sched.policy.radix.protected == 0
 
 
 def test_a_shared_prefix_is_matched_only_up_to_complete_blocks_of_real_tokens():
@@ -216,8 +218,8 @@ def test_abort_gives_every_page_back_at_any_point():
         for req in reqs:
             sched.abort(req)
         sched.check_pages()
-        assert not sched.running and not sched.waiting and sched.radix.protected == 0
-        assert sched.allocator.num_free + sched.radix.total == sched.allocator.capacity
+        assert not sched.running and not sched.waiting and sched.policy.radix.protected == 0
+        assert sched.policy.allocator.num_free + sched.policy.radix.total == sched.policy.allocator.capacity
 
 
 def test_a_failed_call_fails_only_its_requests():

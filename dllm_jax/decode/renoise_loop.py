@@ -8,7 +8,7 @@ the batch ends (its outputs are not changed).
 
 A static batch, no scheduler: the reference the replay test drives against transformers' ``generate``
 (``on_step`` sees every step's draws) and the engine's tests compare with; the engine runs the same device step
-(:func:`dllm_jax.decode.renoise.denoise_step`) through :mod:`dllm_jax.engine.renoise_scheduler`.
+(:func:`dllm_jax.decode.renoise.denoise_step`) through :mod:`dllm_jax.engine.canvases`.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ One round of the engine is plan -> run -> commit: :meth:`Scheduler.schedule` yie
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable
 
 import numpy as np
 
@@ -119,6 +120,18 @@ class DenoiseCall:
     @property
     def all_reqs(self) -> list:
         return self.refresh + self.reqs  # in row order
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """A dispatched device call (``runner.dispatch``): ``collect`` reads and unpacks its results (None: a call whose
+    result is nothing, e.g. a prefill; it ran in line). ``in_flight``: the device may still be running it."""
+
+    collect: Callable[[], Any] | None
+
+    @property
+    def in_flight(self) -> bool:
+        return self.collect is not None
 
 
 @dataclasses.dataclass

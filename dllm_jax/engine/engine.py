@@ -20,28 +20,21 @@ import jax
 import numpy as np
 
 from dllm_jax import compile_cache
-from dllm_jax.cache.pages import PageAllocator
-from dllm_jax.cache.radix import BlockRadixIndex
-from dllm_jax.decode.step import kv_bytes_per_page
 from dllm_jax.engine.compilation import ProgressLines
 from dllm_jax.engine.config import EngineConfig, engine_config
+from dllm_jax.engine.families import SERVING
 from dllm_jax.engine.request import Request
-from dllm_jax.engine.runner import ModelRunner
 from dllm_jax.engine.info import EngineInfo
 from dllm_jax.engine.inputs import RequestInputs, sampling_defaults, with_fields
-from dllm_jax.engine.memory import plan_kv_pool
 from dllm_jax.engine.output import ChunkSink, FinishWatcher, Output
 from dllm_jax.engine.occupation import MemoryOccupation
 from dllm_jax.engine.pause import PauseGeneration
 from dllm_jax.engine.profiling import Profiling
-from dllm_jax.engine.renoise_engine import RenoiseServing, uses_renoise
 from dllm_jax.engine.rounds import Rounds
 from dllm_jax.engine.scoring import Scoring
 from dllm_jax.engine.sampling import SamplingParams
-from dllm_jax.engine.scheduler import Scheduler
 from dllm_jax.engine.weights import WeightUpdates
 from dllm_jax.model.family import family_of
-from dllm_jax.model.qwen3 import kv_storage_dtype
 
 log = logging.getLogger("dllm_jax")
 
@@ -54,7 +47,7 @@ def default_model_path() -> str:
 
 
 class Engine(Rounds, RequestInputs, EngineInfo, Profiling, WeightUpdates, PauseGeneration, MemoryOccupation,
-             Scoring, RenoiseServing):
+             Scoring):
     """A block-diffusion LM server in a Python object.
 
     Options: see :class:`~dllm_jax.engine.config.EngineConfig` (``dllm_jax.EngineConfig``,
@@ -97,11 +90,11 @@ class Engine(Rounds, RequestInputs, EngineInfo, Profiling, WeightUpdates, PauseG
             raise ValueError(f"context_length: must be at least one block ({B}), got {self.context_length}")
         if o.max_prefill_tokens < B:
             raise ValueError(f"max_prefill_tokens: must be at least one block ({B}), got {o.max_prefill_tokens}")
-        self.host_overlap = False  # _build_sdar sets it (the SDAR / LLaDA2 scheduler overlaps; renoise does not)
-        if uses_renoise(cfg):  # DiffusionGemma: its own runner and scheduler (renoise_engine.py)
-            self._build_renoise(loaded, o)
-        else:
-            channel = self._build_sdar(loaded, o, channel)
+        self.max_running_requests = o.max_running_requests
+        self.enable_prefix_cache = o.enable_prefix_cache
+        # the family's runner, pools, cache and block policy under the one scheduler (dllm_jax/engine/families.py)
+        channel = SERVING[family_of(cfg).serving](self, loaded, o, channel)
+        self.host_overlap = o.host_overlap
         self._rng = np.random.default_rng(o.seed)
         self._params_cache: dict[tuple, SamplingParams] = {}  # see _sampling_params
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -125,54 +118,6 @@ class Engine(Rounds, RequestInputs, EngineInfo, Profiling, WeightUpdates, PauseG
             self.warmup()
         if o.profile_dir is not None:
             self.start_profile(o.profile_dir)
-
-    def _build_sdar(self, loaded, o, channel):
-        """The SDAR / LLaDA2 runner, pool and scheduler (mask-based block diffusion). Returns the channel."""
-        cfg, B = self.config, self.block_size
-        self.algorithm = family_of(cfg).make_algorithm(o.algorithm, o.algorithm_config, model_config=cfg)
-        self.algorithm_name = o.algorithm or family_of(cfg).default_algorithm
-        pages_per_row = math.ceil(self.context_length / B)
-        # The KV pool: a share of the memory left now that the weights are placed (dllm_jax.engine.memory).
-        self.kv_budget = plan_kv_pool(
-            page_bytes=kv_bytes_per_page(cfg, B, o.dtype), block_size=B, context_length=self.context_length,
-            max_running_requests=o.max_running_requests, mem_fraction=o.mem_fraction, device=jax.devices()[0],
-            num_kv_pages=o.num_kv_pages,
-            remember=compile_cache.beside(self.compilation_cache, "kv_pool.json"))
-        self.num_kv_pages = num_kv_pages = self.kv_budget.num_pages
-        log.info("%s", self.kv_budget.describe(self.context_length))
-        self.max_running_requests = o.max_running_requests
-        self.enable_prefix_cache = o.enable_prefix_cache
-
-        self.tensor_parallel_size = o.tensor_parallel_size
-        self.expert_parallel_size = o.expert_parallel_size
-        mesh = None
-        if o.tensor_parallel_size * o.expert_parallel_size > 1:
-            from dllm_jax.sharding import make_mesh
-
-            mesh = make_mesh(o.tensor_parallel_size, o.expert_parallel_size)
-        self.mesh = mesh
-        if channel is None:
-            from dllm_jax.distributed import default_channel
-
-            channel = default_channel()
-        self.runner = ModelRunner(
-            loaded.params, cfg, block_size=B, mask_id=self.mask_token_id, algorithm=self.algorithm,
-            num_pages=num_kv_pages, max_rows=o.max_running_requests, max_pages_per_row=pages_per_row,
-            max_prefill_blocks=max(1, min(o.max_prefill_tokens // B, pages_per_row)), loop=o.schedule == "sync",
-            attention_backend=self.attention_backend, confidence_backend=self.confidence_backend,
-            kv_dtype=kv_storage_dtype(o.dtype), mesh=mesh, channel=channel,
-            fold_commit=o.fold_commit_forward, shape_buckets=o.shape_buckets, chain_blocks=o.chain_blocks)
-        self.allocator = PageAllocator(num_kv_pages)
-        self.radix = BlockRadixIndex(B, self.allocator, enabled=o.enable_prefix_cache)
-        self.output = Output(self.tokenizer, block_size=B, mask_token_id=self.mask_token_id)
-        self.scheduler = Scheduler(
-            self.runner, self.allocator, self.radix, block_size=B, mask_id=self.mask_token_id,
-            eos_token_ids=self.eos_token_ids, max_running_requests=o.max_running_requests,
-            context_length=self.context_length, max_prefill_blocks=self.runner.max_prefill_blocks,
-            output=self.output,
-            max_steps_per_call=o.max_steps_per_call or 1 << 30)
-        self.host_overlap = o.host_overlap
-        return channel
 
     # ------------------------------------------------------------------------------------------
     # Warm-up and requests
@@ -222,7 +167,7 @@ class Engine(Rounds, RequestInputs, EngineInfo, Profiling, WeightUpdates, PauseG
             self._check_flush()
             if self.scheduler.has_work() or not self._inbox.empty():
                 return False
-            self.radix.reset()
+            self.scheduler.policy.reset_cache()
             return True
 
     # ------------------------------------------------------------------------------------------

@@ -28,8 +28,9 @@ class RequestInputs:
                      field: str = "input_ids", provisional: bool = False, stream: bool = False) -> Request:
         """Validate one request (ValueError naming the field on bad input) and build it; does not enqueue."""
         params = self._sampling_params(sampling_params)
-        if hasattr(self, "rcfg"):  # Gemma4Renoise takes no penalties, logit bias, ... (renoise_engine.py)
-            self._check_renoise_request(params)
+        for name, neutral in self.capabilities.refused_params:  # what this family's decoding cannot apply
+            if getattr(params, name) != neutral:
+                raise ValueError(f"{name}: {self.capabilities.refusal_reason}")
         # (The checks run at C speed over the ids first, as a prompt may hold thousands; the slow path names the
         # offending one.)
         if not isinstance(input_ids, (list, tuple)) or (

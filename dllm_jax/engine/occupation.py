@@ -72,7 +72,7 @@ class MemoryOccupation:
                 self.pause_generation("retract")
                 self._auto_paused = True
             if "kv_cache" in tags and "kv_cache" not in self._released:
-                self.radix.reset()  # its pages index the pool being dropped
+                self.scheduler.policy.reset_cache()  # its pages index the pool being dropped
             ws.occupation_everywhere(self.runner, "release", tags)
             return {"released": sorted(self._released), "memory_before": before, "memory_after": memory_snapshot()}
 

@@ -81,11 +81,10 @@ class PauseGeneration:
             raise error(f"{field}: {refusal}")
 
     def _require_scheduler(self, what: str) -> None:
-        """Pausing and weight updates are the SDAR / LLaDA2 engine's (its scheduler, pool and prefix cache)."""
+        """Pausing and weight updates need the family's capability (``Engine.capabilities``)."""
         from dllm_jax.model.family import family_of
 
         if getattr(self, "runner", None) is None:
             raise RuntimeError(f"{what}: this engine loads its model but cannot decode it yet")
-        family = family_of(self.config)
-        if not family.uses_mask_token:
-            raise NotImplementedError(f"{what}: not implemented for {family.name} models yet")
+        if not self.capabilities.rl:
+            raise NotImplementedError(f"{what}: not implemented for {family_of(self.config).name} models yet")

@@ -29,6 +29,7 @@ import numpy as np
 
 from dllm_jax.config import ModelConfig
 from dllm_jax.decode import renoise
+from dllm_jax.engine.calls import Pending
 from dllm_jax.engine.compilation import Compiler, pow2_buckets
 from dllm_jax.model import gemma
 from pallas_kernels import next_pow2
@@ -144,9 +145,22 @@ class RenoiseRunner:
         return any(a.is_deleted() for layer in self.pool for a in layer)
 
     def run(self, call):
+        return self.collect(self.dispatch(call))
+
+    def dispatch(self, call) -> Pending:
+        """Start one planned call on the device and return at once: an encode (its result is nothing), or a
+        denoise call, whose rows' results :meth:`collect` reads."""
         if isinstance(call, EncodeCall):
-            return self.encode(call)
-        return self.denoise(call)
+            with jax.profiler.TraceAnnotation("prefill"):
+                self.encode(call)
+            return Pending(None)
+        with jax.profiler.TraceAnnotation("denoise_step"):
+            steps = self._dispatch_denoise(call)
+        return Pending(functools.partial(self._collect_denoise, steps))
+
+    @staticmethod
+    def collect(pending: Pending):
+        return pending.collect() if pending.collect is not None else None
 
     def encode(self, call: EncodeCall) -> None:
         width = next(iter(call.tables.values())).shape[1]
@@ -165,6 +179,9 @@ class RenoiseRunner:
         self.calls["encode"] += 1
 
     def denoise(self, call: DenoiseCall) -> DenoiseResult:
+        return self._collect_denoise(self._dispatch_denoise(call))
+
+    def _dispatch_denoise(self, call: DenoiseCall):
         start = np.zeros(self.max_rows, bool)
         start[call.start_slots] = True
         key = self.canvas_key(next(iter(call.tables.values())).shape[1])
@@ -174,6 +191,9 @@ class RenoiseRunner:
             {k: jnp.asarray(_pad(v, self.max_rows, key.width)) for k, v in call.tables.items()},
             jnp.int32(call.max_steps), first_finish=self.first_finish)
         self.compiler.ran(key)
+        return steps
+
+    def _collect_denoise(self, steps) -> DenoiseResult:
         s = self.state
         finished, argmax, logprob, steps, entropy = jax.device_get((s.finished, s.argmax, s.logprob, steps, s.entropy))
         self.calls["denoise"] += 1

@@ -72,9 +72,14 @@ class Rounds:
         except BaseException as e:
             self._ahead_error = e
 
-    def _run_and_process(self, call, while_running=None) -> None:
+    def _run_and_process(self, call, overlap: bool = False) -> None:
+        """Dispatch -> host work while the device runs (``overlap``: a denoise call) -> collect -> commit."""
         try:
-            result = self.runner.run(call, while_running) if while_running else self.runner.run(call)  # run
+            pending = self.runner.dispatch(call)
+            if overlap and pending.in_flight:
+                with jax.profiler.TraceAnnotation("while_running"):
+                    self._while_running()
+            result = self.runner.collect(pending)
         except BaseException as e:
             result = Failed(e)
         self.scheduler.process(call, result)  # commit
@@ -91,7 +96,7 @@ class Rounds:
                 with jax.profiler.StepTraceAnnotation("engine_step", step_num=self._steps):
                     try:
                         for call in self.scheduler.schedule():  # plan
-                            self._run_and_process(call, self._while_running if self.host_overlap else None)
+                            self._run_and_process(call, overlap=self.host_overlap)
                             self.scheduler.fail_consumers()
                             if self._ahead_error is not None:
                                 error, self._ahead_error = self._ahead_error, None

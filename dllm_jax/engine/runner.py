@@ -8,6 +8,7 @@ step variants, warm-up and the compiles that run off the scheduler's thread).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Callable
 
@@ -19,7 +20,7 @@ from dllm_jax.decode.algorithms import Algorithm
 from dllm_jax.engine.weight_sync import KIND_WEIGHTS, apply_received, update_template
 from dllm_jax.decode.packing import RowLayout
 from dllm_jax.decode import rows as row_schema
-from dllm_jax.engine.calls import (ROW_ATTRIBUTES, DecodeOutput, DecodeRow, DenoiseCall, PenaltyRow, PrefillCall,
+from dllm_jax.engine.calls import (ROW_ATTRIBUTES, DecodeOutput, DecodeRow, DenoiseCall, PenaltyRow, Pending, PrefillCall,
                                    PrefillRow, RowError)
 from dllm_jax.decode.step import (CHAIN_STOP_IDS, PENALTY_PREFIX, STATE_PREFIX, StepSpec, denoise_packed,
                                    init_kv_pages, prefill)
@@ -261,16 +262,24 @@ class ModelRunner:
         """How many rows of ``chunk`` blocks one prefill call may carry."""
         return self.buckets_spec.prefill_rows_for(pick_bucket(chunk, self.chunk_buckets))[-1]
 
-    def run(self, call: PrefillCall | DenoiseCall, while_running: Callable[[], None] | None = None
-            ) -> DecodeOutput | None:
-        """Execute one planned call (:mod:`dllm_jax.engine.calls`): a prefill returns nothing, a denoise call its
-        rows' results. ``while_running``: host work the caller does once a denoise call is dispatched, before its
-        results are read (JAX dispatch is asynchronous: the device runs the call meanwhile)."""
+    def run(self, call: PrefillCall | DenoiseCall) -> DecodeOutput | None:
+        """Execute one planned call (:mod:`dllm_jax.engine.calls`): :meth:`dispatch`, then :meth:`collect`."""
+        return self.collect(self.dispatch(call))
+
+    def dispatch(self, call: PrefillCall | DenoiseCall) -> Pending:
+        """Start one planned call on the device and return at once (JAX dispatch is asynchronous): the caller may
+        do host work until it :meth:`collect` s the result (a prefill's is None, a denoise call's its rows')."""
         if isinstance(call, PrefillCall):
             with jax.profiler.TraceAnnotation("prefill"):
-                return self.prefill(call.rows)
+                self.prefill(call.rows)
+            return Pending(None)
         with jax.profiler.TraceAnnotation("denoise_step"):
-            return self.denoise(call.rows, loop_cap=call.loop_cap, while_running=while_running)
+            return Pending(self._dispatch_denoise(call.rows, loop_cap=call.loop_cap))
+
+    @staticmethod
+    def collect(pending: Pending):
+        """Wait for a dispatched call's results (the one host sync of a denoise call) and unpack them."""
+        return pending.collect() if pending.collect is not None else None
 
     def prefill(self, rows: list[PrefillRow]):
         """One prefill call over ``rows`` (writes their KV pages)."""
@@ -294,9 +303,13 @@ class ModelRunner:
                       (R, W, C * B))
         self.compiler.ran(("prefill", R, C, W))
 
-    def denoise(self, rows: list[DecodeRow], loop_cap: int = 1, while_running: Callable[[], None] | None = None):
+    def denoise(self, rows: list[DecodeRow], loop_cap: int = 1) -> DecodeOutput:
         """One denoise call over ``rows``: one step, or (FDFO) up to ``loop_cap`` steps until the first row with
         something to decode is done, or (sync) the whole block loop; returns a ``DecodeOutput``."""
+        return self._dispatch_denoise(rows, loop_cap)()
+
+    def _dispatch_denoise(self, rows: list[DecodeRow], loop_cap: int) -> Callable[[], DecodeOutput]:
+        """Dispatch a denoise call; returns what reads and unpacks its results."""
         timeline = self.timeline
         t_enter = time.perf_counter() if timeline is not None else 0.0
         B = self.block_size
@@ -330,9 +343,11 @@ class ModelRunner:
         t_dispatched = time.perf_counter() if timeline is not None else 0.0
         sampled = bool(np.any((fields["temperature"] > 0) & (fields["top_k"] != 1)))
         self.compiler.ran(("denoise", R, W, sampled, variant))
-        if while_running is not None:
-            with jax.profiler.TraceAnnotation("while_running"):
-                while_running()
+        return functools.partial(self._collect_denoise, result, rows, chain, R, W, sampled, t_enter, t_dispatched)
+
+    def _collect_denoise(self, result, rows: list[DecodeRow], chain: bool, R: int, W: int, sampled: bool,
+                         t_enter: float, t_dispatched: float) -> DecodeOutput:
+        timeline, n = self.timeline, len(rows)
         t_sync = time.perf_counter() if timeline is not None else 0.0
         # The one host sync of this step. np.array, not jax.device_get: on XLA:CPU it reads the buffer directly
         # (~1 us; device_get's asynchronous copy costs ~0.1 ms a call).

@@ -71,7 +71,7 @@ class Scoring:
         from dllm_jax.model.family import family_of
 
         family = family_of(self.config)
-        if getattr(self, "runner", None) is None or not family.uses_mask_token:
+        if getattr(self, "runner", None) is None or not self.capabilities.score:
             raise ValueError(f"{field}: prompt log-probabilities (the chain estimator) need a mask-token "
                              f"block-diffusion model; {family.name} models have no mask token, so they are not "
                              f"available for this model")

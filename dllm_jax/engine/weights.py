@@ -128,7 +128,7 @@ class WeightUpdates:
                           self.weight_version)
                 raise
             if flush_cache:
-                self.radix.reset()
+                self.scheduler.policy.reset_cache()
             self._set_weight_version(weight_version if weight_version is not None else self.weight_version)
         self._wakeup.set()
         return count

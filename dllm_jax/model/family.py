@@ -27,7 +27,7 @@ checkpoint names (``checkpoint_layout``),
 the config fields they parse, the default block size and the chat template. DiffusionGemma
 (:mod:`dllm_jax.model.gemma`, its own table :mod:`dllm_jax.model.gemma_params` and heterogeneous KV layout)
 decodes with Gemma4Renoise (:mod:`dllm_jax.decode.renoise`), served by its own runner and scheduler
-(:mod:`dllm_jax.engine.renoise_engine`).
+(:mod:`dllm_jax.engine.families`: its ``serving`` kind, "canvas").
 """
 
 from __future__ import annotations
@@ -80,6 +80,9 @@ class ModelFamily:
     chat_template: str | None = None  # used when the tokenizer ships none (None: prompts stay raw)
     default_block_size: int = hf_config.DEFAULT_SDAR_BLOCK_SIZE
     uses_mask_token: bool = True  # False: the canvas starts from noise (no mask id needed)
+    # How the engine serves it (dllm_jax/engine/families.py): "mask" (blocks of mask tokens, the block radix
+    # index) or "canvas" (noise canvases, per-row state on the device, the window-aware index)
+    serving: str = "mask"
 
     def parse(self, hf: dict, source: str = "config.json") -> ModelConfig:
         """The config of a ``config.json`` dict this family claims (validated, errors naming the field)."""
@@ -119,7 +122,7 @@ LLADA2 = ModelFamily(
 
 def _gemma_not_mask_based(*args, **kwargs):
     raise NotImplementedError("DiffusionGemma has no mask-based step: it decodes with Gemma4Renoise "
-                              "(dllm_jax.decode.renoise; the engine's renoise_engine.py)")
+                              "(dllm_jax.decode.renoise; the engine's canvases.py)")
 
 
 DIFFUSION_GEMMA = ModelFamily(
@@ -128,7 +131,7 @@ DIFFUSION_GEMMA = ModelFamily(
     checkpoint_layout="diffusion_gemma", forward_chunk=_gemma_not_mask_based,
     forward_chunk_kv=_gemma_not_mask_based, forward_chunk_rest=_gemma_not_mask_based,
     logits_from_hidden=_gemma_not_mask_based, kv_layout=gemma.kv_layout, default_algorithm="Gemma4Renoise",
-    default_block_size=256, uses_mask_token=False, chat_template=GEMMA_CHAT_TEMPLATE)
+    default_block_size=256, uses_mask_token=False, serving="canvas", chat_template=GEMMA_CHAT_TEMPLATE)
 
 _FAMILIES: list[ModelFamily] = []
 _BY_ARCHITECTURE: dict[str, ModelFamily] = {}
