@@ -146,5 +146,3 @@ class WindowPrefixIndex:
         """The pages the index holds a reference on: (full, sliding)."""
         nodes = list(self._nodes())
         return [n.full for n in nodes], [n.sliding for n in nodes if n.sliding is not None]
-
-    protected = 0  # (the SDAR index's locked-page count; here a reused page is kept alive by its own reference)

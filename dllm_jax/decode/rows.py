@@ -28,6 +28,12 @@ MAX_LOGIT_BIAS = 300  # logit-bias entries per row (OpenAI's limit; SamplingPara
 MAX_MIN_NEW_STOP_IDS = 64  # EOS + stop ids masked by min_new_tokens
 
 
+def is_sampled(temperature, top_k):
+    """Whether a row draws its tokens (else it decodes greedily): the one predicate, on scalars or arrays, host or
+    device. Temperature 0 and top-k 1 are both greedy."""
+    return (temperature > 0) & (top_k != 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Field:
     name: str

@@ -36,6 +36,7 @@ from dllm_jax.decode.algorithms import entropy as entropy_of
 from dllm_jax.decode import logprobs as lp
 from dllm_jax.decode.backends import attention_function, confidence_stats
 from dllm_jax.decode import rows
+from dllm_jax.decode.rows import is_sampled
 from dllm_jax.decode.packing import RowLayout
 from dllm_jax.decode.penalties import apply_penalties
 from dllm_jax.model.family import ModelFamily, family_of
@@ -233,7 +234,7 @@ def candidates(params, hidden, batch: DenoiseBatch, spec: StepSpec) -> tuple[Can
         if spec.logprobs:
             tempered = logits
             if spec.sampling:  # greedy rows (temperature 0, or top_k 1) score at temperature 1
-                t = jnp.where(sampled_rows & (batch.top_k != 1), batch.temperature, 1.0)
+                t = jnp.where(is_sampled(batch.temperature, batch.top_k), batch.temperature, 1.0)
                 tempered = logits / t[:, None, None]
             scores = _Scores(tempered, None, None)
         return Candidates(tokens=tokens, confidence=confidence, entropy=entropy,

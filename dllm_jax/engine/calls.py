@@ -14,6 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from dllm_jax.decode import rows as row_schema
+from dllm_jax.decode.rows import MAX_LOGIT_BIAS, MAX_MIN_NEW_STOP_IDS
 
 
 class RowError(Exception):
@@ -139,3 +140,46 @@ class Failed:
     """The result of a call that raised."""
 
     error: BaseException
+
+
+def padded_row(block_size: int, **fields) -> DecodeRow:
+    """A row whose inputs not given take their padding values from :mod:`dllm_jax.decode.rows` (decode nothing,
+    change nothing): refresh rows and warm-up rows are these plus what they set."""
+    values = {f.name: (np.full(block_size, f.pad, f.dtype) if f.shape else f.pad)
+              for f in row_schema.INPUTS if f.name in ROW_ATTRIBUTES}
+    values.update(prefix_pages=[], algo_state=None)
+    values.update(fields)
+    return DecodeRow(**values)
+
+
+def fill_penalties(rows: list[DecodeRow], out: dict[str, np.ndarray]) -> None:
+    """Write the :class:`~dllm_jax.decode.penalties.Penalties` tables of a call into ``out`` (zeroed views: every
+    row starts neutral, as rows without a penalty and padding rows stay). The history is as wide as the page-table
+    bucket allows (prefix pages plus the block), the bias and stop tables have the fixed widths the sampling params
+    are validated against: no new shapes."""
+    history_len = out["history"].shape[1]
+    row_schema.reset(out, row_schema.PENALTY_INPUTS)
+    for i, r in enumerate(rows):
+        p = r.penalty
+        if p is None:
+            continue
+        try:
+            _fill_penalty_row(out, i, p, history_len)
+        except Exception as e:
+            raise RowError(i, e) from e
+
+
+def _fill_penalty_row(out: dict[str, np.ndarray], i: int, p: "PenaltyRow", history_len: int) -> None:
+    """Row ``i`` of the penalty tables (a value that does not fit its table or dtype raises)."""
+    if len(p.history) > history_len or len(p.bias) > MAX_LOGIT_BIAS or len(p.stop_ids) > MAX_MIN_NEW_STOP_IDS:
+        raise ValueError(f"penalty tables overflow: {len(p.history)} history tokens (room for {history_len}), "
+                         f"{len(p.bias)} biases, {len(p.stop_ids)} stop ids")
+    out["history"][i, :len(p.history)] = p.history
+    out["prompt_len"][i] = p.prompt_len
+    out["presence"][i], out["frequency"][i], out["repetition"][i] = p.presence, p.frequency, p.repetition
+    out["min_new"][i] = p.min_new
+    if p.bias:
+        out["bias_ids"][i, :len(p.bias)] = [t for t, _ in p.bias]
+        out["bias"][i, :len(p.bias)] = [b for _, b in p.bias]
+    out["stop_ids"][i, :len(p.stop_ids)] = p.stop_ids
+    out["active"][i] = bool(p.presence or p.frequency or p.repetition != 1.0 or p.min_new or p.bias)

@@ -18,8 +18,8 @@ Step variants: a denoise call compiles (per bucket) the plain step, or a variant
 log probabilities (``VARIANT_LOGPROBS``, and ``VARIANT_TOP`` when some row wants alternatives). A batch without them
 runs the plain step.
 
-A call's **key** is its bucket tuple: ``("denoise", rows, width, sampling, variant)`` or ``("prefill", rows,
-blocks, width)``. :meth:`Compiler.warmup` compiles a list of keys ahead of time; afterwards nothing it covered
+A call's **key** is a named tuple of its bucket: :class:`DenoiseKey` ``(kind, rows, width, sampled, variant)`` or
+:class:`PrefillKey` ``(kind, rows, blocks, width)`` (DiffusionGemma's runner has its own, with a ``kind`` too). :meth:`Compiler.warmup` compiles a list of keys ahead of time; afterwards nothing it covered
 compiles again (a test counts :func:`compiled_executables`). A key whose step variant warm-up did not cover compiles
 on one background thread (:meth:`Compiler.compile_soon`) while the scheduler runs the calls that do not need it.
 """
@@ -32,7 +32,7 @@ import itertools
 import os
 import threading
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 
@@ -40,6 +40,26 @@ from pallas_kernels import next_pow2
 
 # Denoise variants, as bits (a call's header carries them above its kind; followers shape their arrays from it).
 VARIANT_PENALTIES, VARIANT_LOGPROBS, VARIANT_TOP = 1, 2, 4
+
+
+class DenoiseKey(NamedTuple):
+    kind: str  # "denoise"
+    rows: int
+    width: int  # page-table width
+    sampled: bool  # the sampling step (some row draws)
+    variant: int  # VARIANT_* bits
+
+    @property
+    def step_class(self) -> tuple[bool, int]:
+        """The compiled step a key uses, whatever its shape (warm-up covers a class for every bucket or not)."""
+        return self.sampled, self.variant
+
+
+class PrefillKey(NamedTuple):
+    kind: str  # "prefill"
+    rows: int
+    blocks: int  # per row
+    width: int
 
 
 def pow2_buckets(limit: int) -> tuple[int, ...]:
@@ -130,9 +150,9 @@ def bucket_keys(buckets: ShapeBuckets, prefill_width: int, *, sampling: bool = F
         variants += [VARIANT_PENALTIES]
     if logprobs:
         variants += [v | VARIANT_LOGPROBS | top for v in list(variants) for top in (0, VARIANT_TOP)]
-    out = [("denoise", R, W, sampled, v) for sampled in ((False, True) if sampling else (False,))
+    out = [DenoiseKey("denoise", R, W, sampled, v) for sampled in ((False, True) if sampling else (False,))
            for v in variants for R, W in itertools.product(buckets.rows, buckets.pages)]
-    out += [("prefill", R, C, prefill_width) for C in buckets.prefill_blocks for R in buckets.prefill_rows_for(C)]
+    out += [PrefillKey("prefill", R, C, prefill_width) for C in buckets.prefill_blocks for R in buckets.prefill_rows_for(C)]
     return out
 
 
@@ -233,7 +253,7 @@ class Compiler:
                 future.result()  # a compile error surfaces here, in the caller's thread
         self.compiled.update(keys)
         self.warmed = True
-        self.warmed_classes.update(k[3:] for k in keys if k[0] == "denoise")
+        self.warmed_classes.update(k.step_class for k in keys if k.kind == "denoise")
         return len(keys)
 
     def ran(self, key: tuple) -> None:
@@ -245,8 +265,8 @@ class Compiler:
         executable is not compiled yet. Only after a warm-up: an engine that compiles lazily compiles every call in
         line, as its first calls must anyway. A key whose background compile failed reads False: the call then runs
         and fails with the error (its requests only)."""
-        return (self.background and bool(self.warmed_classes) and key[0] == "denoise"
-                and key not in self.compiled and key[3:] not in self.warmed_classes and key not in self._failed)
+        return (self.background and bool(self.warmed_classes) and key.kind == "denoise"
+                and key not in self.compiled and key.step_class not in self.warmed_classes and key not in self._failed)
 
     def compile_soon(self, key: tuple) -> None:
         """Compile ``key``'s executable on the background thread (once; a no-op if compiled or under way). One

@@ -9,7 +9,6 @@ go through an inbox that the loop drains between rounds, so the scheduler itself
 from __future__ import annotations
 
 import logging
-import math
 import os
 import queue
 import threading
@@ -26,7 +25,7 @@ from dllm_jax.engine.families import SERVING
 from dllm_jax.engine.request import Request
 from dllm_jax.engine.info import EngineInfo
 from dllm_jax.engine.inputs import RequestInputs, sampling_defaults, with_fields
-from dllm_jax.engine.output import ChunkSink, FinishWatcher, Output
+from dllm_jax.engine.output import ChunkSink, FinishWatcher
 from dllm_jax.engine.occupation import MemoryOccupation
 from dllm_jax.engine.pause import PauseGeneration
 from dllm_jax.engine.profiling import Profiling

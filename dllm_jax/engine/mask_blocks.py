@@ -20,7 +20,7 @@ import numpy as np
 from dllm_jax.cache.pages import OutOfPages, PageAllocator
 from dllm_jax.cache.radix import BlockRadixIndex
 from dllm_jax.decode.step import RNG_STEPS_PER_BLOCK
-from dllm_jax.engine.calls import DecodeRow, DenoiseCall, PenaltyRow, PrefillCall, PrefillRow
+from dllm_jax.engine.calls import DecodeRow, DenoiseCall, PenaltyRow, PrefillCall, PrefillRow, padded_row
 from dllm_jax.engine.mask_commit import MaskCommit
 from dllm_jax.engine.policy import Admission, Refuse
 from dllm_jax.engine.request import Phase, Request
@@ -232,9 +232,8 @@ class MaskBlocks(MaskCommit):
             for pages in chain_pages.values():  # the wider page table chaining needs is not compiled: no chaining
                 self.allocator.free(pages)
             chain_pages = {}
-        rows = [DecodeRow(tokens=r.stale_tokens, immutable=np.ones((B,), np.bool_), prefix_pages=r.pages[:-1],
-                          write_page=r.pages[-1], steps_taken=0, temperature=0.0, top_k=-1, top_p=1.0, seed=0,
-                          rng_step=0, algo_state=None, refresh=True) for r in refresh]
+        rows = [padded_row(B, tokens=r.stale_tokens, prefix_pages=r.pages[:-1], write_page=r.pages[-1], refresh=True)
+                for r in refresh]
         rows += [DecodeRow(tokens=r.block_tokens, immutable=r.block_immutable, prefix_pages=r.pages,
                            write_page=r.block_page, steps_taken=r.block_steps, temperature=r.params.temperature,
                            top_k=r.params.top_k, top_p=r.params.top_p, seed=r.seed,
@@ -271,7 +270,7 @@ class MaskBlocks(MaskCommit):
     def _need(req: Request) -> tuple[bool, bool, bool, bool]:
         """What a request's row asks of the step: sampling, penalties, log probabilities, top alternatives."""
         p = req.params
-        return (p.temperature > 0 and p.top_k != 1, p.penalized, p.logprobs >= 0, p.logprobs > 0)
+        return (not p.greedy, p.penalized, p.logprobs >= 0, p.logprobs > 0)
 
     def _call_key(self, reqs: list[Request], refresh: list[Request], chain_pages: dict | None = None) -> tuple:
         """The runner's key for a denoise call over these rows (see ``ModelRunner.denoise_key``)."""

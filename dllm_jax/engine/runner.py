@@ -20,14 +20,14 @@ from dllm_jax.decode.algorithms import Algorithm
 from dllm_jax.engine.weight_sync import KIND_WEIGHTS, apply_received, update_template
 from dllm_jax.decode.packing import RowLayout
 from dllm_jax.decode import rows as row_schema
-from dllm_jax.engine.calls import (ROW_ATTRIBUTES, DecodeOutput, DecodeRow, DenoiseCall, PenaltyRow, Pending, PrefillCall,
-                                   PrefillRow, RowError)
+from dllm_jax.engine.calls import (ROW_ATTRIBUTES, DecodeOutput, DecodeRow, DenoiseCall, PenaltyRow, Pending,
+                                   PrefillCall, PrefillRow, RowError, fill_penalties, padded_row)
 from dllm_jax.decode.step import (CHAIN_STOP_IDS, PENALTY_PREFIX, STATE_PREFIX, StepSpec, denoise_packed,
                                    init_kv_pages, prefill)
 from dllm_jax.cache.pages import TRASH_PAGE
-from dllm_jax.engine.compilation import (VARIANT_LOGPROBS, VARIANT_PENALTIES, VARIANT_TOP, Compiler, ShapeBuckets,
-                                         bucket_keys, pick_bucket, variants_for)
-from dllm_jax.engine.sampling import MAX_LOGIT_BIAS, MAX_MIN_NEW_STOP_IDS, MAX_TOP_LOGPROBS
+from dllm_jax.engine.compilation import (VARIANT_LOGPROBS, VARIANT_PENALTIES, VARIANT_TOP, Compiler, DenoiseKey,
+                                         PrefillKey, ShapeBuckets, bucket_keys, pick_bucket, variants_for)
+from dllm_jax.engine.sampling import MAX_TOP_LOGPROBS
 
 
 KIND_STOP, KIND_PREFILL, KIND_DENOISE = 0, 1, 2
@@ -301,7 +301,7 @@ class ModelRunner:
                                             max_prefix_pages=max(len(r.prefix_pages) for r in rows)))
         self._execute(KIND_PREFILL, {"tokens": tokens, "page_table": table, "prefix_len": prefix, "write": write},
                       (R, W, C * B))
-        self.compiler.ran(("prefill", R, C, W))
+        self.compiler.ran(PrefillKey("prefill", R, C, W))
 
     def denoise(self, rows: list[DecodeRow], loop_cap: int = 1) -> DecodeOutput:
         """One denoise call over ``rows``: one step, or (FDFO) up to ``loop_cap`` steps until the first row with
@@ -331,7 +331,7 @@ class ModelRunner:
         variant = 0
         if penalties:
             variant |= VARIANT_PENALTIES
-            _fill_penalties(rows, {k[len(PENALTY_PREFIX):]: v for k, v in fields.items()
+            fill_penalties(rows, {k[len(PENALTY_PREFIX):]: v for k, v in fields.items()
                                    if k.startswith(PENALTY_PREFIX)})
         if any(r.logprobs >= 0 for r in rows):
             variant |= VARIANT_LOGPROBS | (VARIANT_TOP if any(r.logprobs > 0 for r in rows) else 0)
@@ -341,8 +341,8 @@ class ModelRunner:
             for leaf in jax.tree.leaves(result):
                 leaf.copy_to_host_async()
         t_dispatched = time.perf_counter() if timeline is not None else 0.0
-        sampled = bool(np.any((fields["temperature"] > 0) & (fields["top_k"] != 1)))
-        self.compiler.ran(("denoise", R, W, sampled, variant))
+        sampled = bool(np.any(row_schema.is_sampled(fields["temperature"], fields["top_k"])))
+        self.compiler.ran(DenoiseKey("denoise", R, W, sampled, variant))
         return functools.partial(self._collect_denoise, result, rows, chain, R, W, sampled, t_enter, t_dispatched)
 
     def _collect_denoise(self, result, rows: list[DecodeRow], chain: bool, R: int, W: int, sampled: bool,
@@ -412,10 +412,10 @@ class ModelRunner:
     # Which executables exist, and compiling the missing ones off the scheduler's thread
     # -------------------------------------------------------------------------------------------
     def denoise_key(self, rows: int, pages: int, *, sampling: bool, penalties: bool, logprobs: bool,
-                    top: bool) -> tuple:
+                    top: bool) -> DenoiseKey:
         """The key of a denoise call of ``rows`` rows whose longest page table holds ``pages``."""
-        return ("denoise", pick_bucket(rows, self.row_buckets), pick_bucket(max(1, pages), self.width_buckets),
-                sampling, variants_for(penalties=penalties, logprobs=logprobs, top=top))
+        return DenoiseKey("denoise", pick_bucket(rows, self.row_buckets), pick_bucket(max(1, pages), self.width_buckets),
+                          sampling, variants_for(penalties=penalties, logprobs=logprobs, top=top))
 
     def _abstract(self, tree):
         """Shapes of device arrays, as the jitted call sees them (a sharding only where a mesh placed them: a
@@ -429,12 +429,12 @@ class ModelRunner:
         device buffer is touched, so this may run on another thread while calls run)."""
         B = self.block_size
         params, kv_pages = self._abstract(self.params), self._abstract(self.kv_pages)
-        if key[0] == "prefill":
-            _, R, C, W = key
+        if key.kind == "prefill":
+            R, C, W = key.rows, key.blocks, key.width
             i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
             return prefill.lower(params, kv_pages, i32(R, C * B), i32(R, W), i32(R), i32(R, C),
                                  spec=self.prefill_spec)
-        _, R, W, sampling, variant = key
+        R, W, sampling, variant = key.rows, key.width, key.sampled, key.variant
         chain = R in self.chain_rows
         layout = self.denoise_layout(W, bool(variant & VARIANT_PENALTIES), chain)
         rows = jax.ShapeDtypeStruct((R, layout.width), np.int32)
@@ -462,49 +462,11 @@ class ModelRunner:
     def _run_padding(self, key: tuple) -> None:
         """Run one call of ``key`` over padding rows (they write to the trash page)."""
         B = self.block_size
-        if key[0] == "denoise":
-            _, R, W, sampled, variant = key
-            lps = -1 if not variant & VARIANT_LOGPROBS else (1 if variant & VARIANT_TOP else 0)
-            row = DecodeRow(tokens=np.zeros(B, np.int32), immutable=np.ones(B, np.bool_),
-                            prefix_pages=[TRASH_PAGE] * W, write_page=TRASH_PAGE, steps_taken=0,
-                            temperature=1.0 if sampled else 0.0, top_k=-1, top_p=1.0, seed=0, rng_step=0,
-                            algo_state=None, logprobs=lps,
-                            penalty=PenaltyRow([], 0) if variant & VARIANT_PENALTIES else None)
-            self.denoise([row] * R)
+        if key.kind == "denoise":
+            lps = -1 if not key.variant & VARIANT_LOGPROBS else (1 if key.variant & VARIANT_TOP else 0)
+            row = padded_row(B, prefix_pages=[TRASH_PAGE] * key.width, temperature=1.0 if key.sampled else 0.0,
+                             logprobs=lps, penalty=PenaltyRow([], 0) if key.variant & VARIANT_PENALTIES else None)
+            self.denoise([row] * key.rows)
         else:
-            _, R, C, W = key
-            self.prefill([PrefillRow(tokens=[0] * (C * B), prefix_pages=[TRASH_PAGE] * W,
-                                     write_pages=[TRASH_PAGE] * C)] * R)
-
-
-def _fill_penalties(rows: list[DecodeRow], out: dict[str, np.ndarray]) -> None:
-    """Write the :class:`~dllm_jax.decode.penalties.Penalties` tables of a call into ``out`` (zeroed views: every
-    row starts neutral, as rows without a penalty and padding rows stay). The history is as wide as the page-table
-    bucket allows (prefix pages plus the block), the bias and stop tables have the fixed widths the sampling params
-    are validated against: no new shapes."""
-    history_len = out["history"].shape[1]
-    row_schema.reset(out, row_schema.PENALTY_INPUTS)
-    for i, r in enumerate(rows):
-        p = r.penalty
-        if p is None:
-            continue
-        try:
-            _fill_penalty_row(out, i, p, history_len)
-        except Exception as e:
-            raise RowError(i, e) from e
-
-
-def _fill_penalty_row(out: dict[str, np.ndarray], i: int, p: "PenaltyRow", history_len: int) -> None:
-    """Row ``i`` of the penalty tables (a value that does not fit its table or dtype raises)."""
-    if len(p.history) > history_len or len(p.bias) > MAX_LOGIT_BIAS or len(p.stop_ids) > MAX_MIN_NEW_STOP_IDS:
-        raise ValueError(f"penalty tables overflow: {len(p.history)} history tokens (room for {history_len}), "
-                         f"{len(p.bias)} biases, {len(p.stop_ids)} stop ids")
-    out["history"][i, :len(p.history)] = p.history
-    out["prompt_len"][i] = p.prompt_len
-    out["presence"][i], out["frequency"][i], out["repetition"][i] = p.presence, p.frequency, p.repetition
-    out["min_new"][i] = p.min_new
-    if p.bias:
-        out["bias_ids"][i, :len(p.bias)] = [t for t, _ in p.bias]
-        out["bias"][i, :len(p.bias)] = [b for _, b in p.bias]
-    out["stop_ids"][i, :len(p.stop_ids)] = p.stop_ids
-    out["active"][i] = bool(p.presence or p.frequency or p.repetition != 1.0 or p.min_new or p.bias)
+            self.prefill([PrefillRow(tokens=[0] * (key.blocks * B), prefix_pages=[TRASH_PAGE] * key.width,
+                                     write_pages=[TRASH_PAGE] * key.blocks)] * key.rows)

@@ -14,7 +14,7 @@ import dataclasses
 from typing import Any
 
 # the fixed widths of the device's logit-bias and min-new-tokens stop tables (OpenAI's limit of 300 biases)
-from dllm_jax.decode.rows import MAX_LOGIT_BIAS, MAX_MIN_NEW_STOP_IDS  # noqa: F401  (re-exported)
+from dllm_jax.decode.rows import MAX_LOGIT_BIAS, MAX_MIN_NEW_STOP_IDS, is_sampled  # noqa: F401  (re-exported)
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20  # anything larger is a mistake, not a request
 MAX_TOP_LOGPROBS = 20  # alternatives per output token (OpenAI's limit); the device computes this many
@@ -57,7 +57,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return not is_sampled(self.temperature, self.top_k)
 
     @property
     def penalized(self) -> bool:

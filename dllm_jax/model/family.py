@@ -69,11 +69,12 @@ class ModelFamily:
     param_table: ParamTable
     checkpoint_layout: str  # the table's checkpoint-name column (ModelConfig.family)
     # Device functions, signatures of dllm_jax.model.qwen3's: prefill, the K/V half of a denoise / commit
-    # forward, its other half, the head.
-    forward_chunk: Callable
-    forward_chunk_kv: Callable
-    forward_chunk_rest: Callable
-    logits_from_hidden: Callable
+    # forward, its other half, the head. None for a family that is not served by mask blocks (its ``serving``
+    # kind has its own device functions: DiffusionGemma's are model/gemma.py's encoder and decoder).
+    forward_chunk: Callable | None = None
+    forward_chunk_kv: Callable | None = None
+    forward_chunk_rest: Callable | None = None
+    logits_from_hidden: Callable | None = None
     kv_layout: Callable[[ModelConfig], tuple[LayerKV, ...]] = uniform_kv_layout
     default_algorithm: str = "LowConfidence"  # dllm_jax.decode.algorithms.ALGORITHMS name
     init_state: Callable = algorithm_state  # (cfg, algorithm, num_rows, block_size) -> per-row state
@@ -120,17 +121,10 @@ LLADA2 = ModelFamily(
 
 
 
-def _gemma_not_mask_based(*args, **kwargs):
-    raise NotImplementedError("DiffusionGemma has no mask-based step: it decodes with Gemma4Renoise "
-                              "(dllm_jax.decode.renoise; the engine's canvases.py)")
-
-
 DIFFUSION_GEMMA = ModelFamily(
     name="diffusion_gemma", architectures=hf_config.DIFFUSION_GEMMA_ARCHITECTURES,
     model_types=hf_config.DIFFUSION_GEMMA_MODEL_TYPES, parse_fields=lambda *a: {}, param_table=GEMMA,
-    checkpoint_layout="diffusion_gemma", forward_chunk=_gemma_not_mask_based,
-    forward_chunk_kv=_gemma_not_mask_based, forward_chunk_rest=_gemma_not_mask_based,
-    logits_from_hidden=_gemma_not_mask_based, kv_layout=gemma.kv_layout, default_algorithm="Gemma4Renoise",
+    checkpoint_layout="diffusion_gemma", kv_layout=gemma.kv_layout, default_algorithm="Gemma4Renoise",
     default_block_size=256, uses_mask_token=False, serving="canvas", chat_template=GEMMA_CHAT_TEMPLATE)
 
 _FAMILIES: list[ModelFamily] = []
