@@ -40,7 +40,7 @@ class PauseGeneration:
                 ended = self._abort_in_flight(PAUSE_ABORT_MESSAGE)
             elif mode == "retract":
                 for req in reversed(list(s.running)):  # the earliest admitted ends up first in the queue
-                    s._retract(req)
+                    s.retract(req)
             self.pause_mode = mode
             return {"mode": mode, "aborted": ended, "parked": len(s.running), "queued": len(s.waiting)}
 
