@@ -15,11 +15,12 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from serve.body import JSONBodyRoute
 from serve.errors import ApiError, model_not_found
 from serve.schemas import AbortRequest, ProfileRequest
 from serve.state import Server, get_server
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 
 
 @router.get("/health")

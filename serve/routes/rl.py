@@ -19,12 +19,13 @@ import re
 from fastapi import APIRouter, Depends
 from starlette.concurrency import run_in_threadpool
 
+from serve.body import JSONBodyRoute
 from serve.errors import ApiError
 from serve.schemas.rl import (GetWeightsByNameRequest, MemoryOccupationRequest, PauseGenerationRequest, ScoreRequest, UpdateWeightsFromDiskRequest,
                               UpdateWeightsFromTensorRequest, UpdateWeightVersionRequest)
 from serve.state import Server, get_server
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 _FIELD = re.compile(r"^[A-Za-z_][\w.\[\]-]*:\s")  # a message that starts by naming its field
 
 

@@ -17,12 +17,13 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from serve import features, logprobs
+from serve.body import JSONBodyRoute
 from serve.errors import ApiError
 from serve.schemas import GenerateRequest
 from serve.state import Batch, Server, expand_choices, finished_results, get_server
 from serve.streaming import SSE_DONE, SSEResponse, sse
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 
 LOGPROB_FIELDS = {"sampling_params.return_logprob": "return_logprob",
                   "sampling_params.top_logprobs_num": "top_logprobs_num"}
