@@ -42,6 +42,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve.errors import ApiError, error_from_validation
+from serve import openapi
 from serve.limits import Gate
 from serve.routes import admin, openai, playground, rl, sglang
 from serve.settings import ServerSettings
@@ -147,7 +148,8 @@ def create_app(engine=None, settings: ServerSettings | None = None, *,
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
         logger.exception("internal error on %s", request.url.path)
-        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+        # the exception's text may quote server paths or data: the log has it, the client gets its kind
+        return ApiError(500, f"internal error ({type(exc).__name__}); the server's log has the details").response()
 
     routers = [m.router for m in (admin, sglang, openai, rl) + ((playground,) if settings.playground else ())]
     for router in routers:
@@ -155,6 +157,7 @@ def create_app(engine=None, settings: ServerSettings | None = None, *,
     # the routers' own paths (newer FastAPI includes routers lazily: app.routes does not list their routes)
     routes = {r.path for rt in [app, *routers] for r in rt.routes if hasattr(r, "path")}
     app.add_middleware(Gate, server_ref=lambda: app.state.server, settings=settings, routes=routes)
+    openapi.install(app, api_key=bool(settings.api_key))
     return app
 
 

@@ -113,6 +113,16 @@ def bad_request(message: str, renames: dict | None = None) -> ApiError:
     return ApiError(400, message, param)
 
 
+def qualify(message: str, prefix: str, names) -> str:
+    """An engine message whose field is a bare sampling parameter (``top_logprobs_num: ...``, as a model's own
+    refusals name them) as the request's path to it (``sampling_params.top_logprobs_num: ...``), which
+    :func:`bad_request`'s renames then turn into the body's name (``top_logprobs`` on chat)."""
+    param = _param_of(message)
+    if param is None or re.split(r"[.\[]", param)[0] not in names:
+        return message
+    return f"{prefix}.{message}"
+
+
 def error_from_validation(exc: RequestValidationError) -> ApiError:
     errors = exc.errors()
     if not errors:

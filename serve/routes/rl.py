@@ -20,7 +20,7 @@ from fastapi import APIRouter, Depends
 from starlette.concurrency import run_in_threadpool
 
 from serve.body import JSONBodyRoute
-from serve.errors import ApiError
+from serve.errors import ApiError, bad_request
 from serve.schemas.rl import (GetWeightsByNameRequest, MemoryOccupationRequest, PauseGenerationRequest, ScoreRequest, UpdateWeightsFromDiskRequest,
                               UpdateWeightsFromTensorRequest, UpdateWeightVersionRequest)
 from serve.state import Server, get_server
@@ -29,13 +29,14 @@ router = APIRouter(route_class=JSONBodyRoute)
 _FIELD = re.compile(r"^[A-Za-z_][\w.\[\]-]*:\s")  # a message that starts by naming its field
 
 
-async def _call(field: str, fn, *args, **kwargs):
-    """Run an engine method off the event loop; its ``ValueError`` (or a refusal in its state) is a 400."""
+async def _call(field: str, fn, *args, renames: dict | None = None, **kwargs):
+    """Run an engine method off the event loop; its ``ValueError`` (or a refusal in its state) is a 400 naming the
+    field (``renames``: the engine's names for the body's fields, :func:`serve.errors.bad_request`)."""
     try:
         return await run_in_threadpool(fn, *args, **kwargs)
     except ValueError as e:
         message = str(e)
-        raise ApiError(400, message if _FIELD.match(message) else f"{field}: {message}") from None
+        raise bad_request(message if _FIELD.match(message) else f"{field}: {message}", renames) from None
     except RuntimeError as e:  # NotImplementedError included: a multi-process engine, a shut-down engine
         raise ApiError(400, f"{field}: {e}") from None
 
@@ -62,6 +63,8 @@ async def update_weights_from_tensor(body: UpdateWeightsFromTensorRequest, serve
                 named += list(decode_tensors(blob, field).items())
             except ValueError as e:
                 raise ApiError(400, str(e) if str(e).startswith(field) else f"{field}: {e}", field) from None
+            except Exception as e:  # whatever else a client's bytes can do to the decoder is the client's fault
+                raise ApiError(400, f"{field}: not a valid safetensors blob ({type(e).__name__})", field) from None
         return server.engine.update_weights_from_tensor(named, weight_version=body.weight_version,
                                                         flush_cache=body.flush_cache,
                                                         abort_all_requests=body.abort_all_requests)
@@ -112,4 +115,5 @@ async def resume_memory_occupation(body: MemoryOccupationRequest, server: Server
 @router.post("/score")
 async def score(body: ScoreRequest, server: Server = Depends(get_server)):
     return await _call("completions", server.engine.score, body.text, body.completions, input_ids=body.input_ids,
-                       estimator=body.estimator, num_samples=body.num_samples, seed=body.seed)
+                       estimator=body.estimator, num_samples=body.num_samples, seed=body.seed,
+                       renames={"prompt": "text"})  # the engine's argument is the body's text

@@ -69,7 +69,8 @@ async def generate(body: GenerateRequest, request: Request, server: Server = Dep
     ids_list, params_list, fields = expand_choices(ids_list, params_list, fields, n)
     batch = server.start_batch(ids_list, params_list, fields, stream=body.stream, rids=rids,
                                provisional=body.stream_provisional,
-                               batch_field="sampling_params.n" if n > 1 else None)
+                               batch_field="sampling_params.n" if n > 1 else None,
+                               params_fields=[p for p in prefixes for _ in range(n)])
     text_in_logprobs = bool(body.return_text_in_logprobs)
     if body.stream:
         return SSEResponse(_stream(server, batch, batch_mode, body.stream_provisional, text_in_logprobs),
