@@ -122,14 +122,14 @@ def check_shape(value: Any) -> None:
                 raise ApiError(413, f"{where}: an array of {len(node):,} items; the limit is {MAX_ARRAY_ITEMS:,} "
                                     f"items in one array", where, reason="too_complex", code="body_too_complex")
             items += len(node)
-            if _SCALARS.issuperset(map(type, node)):  # token ids, texts: at C speed
-                continue
-            children = enumerate(node)
+            children = None if _SCALARS.issuperset(map(type, node)) else enumerate(node)  # ids, texts: C speed
         else:
             continue
         if items > MAX_ITEMS:
             raise ApiError(413, f"body: more than {MAX_ITEMS:,} values in all; the limit is {MAX_ITEMS:,} values in "
                                 f"a request body", "body", reason="too_complex", code="body_too_complex")
+        if children is None:
+            continue
         todo.extend((child, depth + 1, loc + (key,)) for key, child in children
                     if isinstance(child, (dict, list)))
 

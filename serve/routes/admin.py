@@ -81,7 +81,8 @@ async def internal_load(server: Server = Depends(get_server)):
     return {**server.load_snapshot(), "server_inflight": server.inflight, "server_capacity": server.capacity}
 
 
-@router.api_route("/flush_cache", methods=["GET", "POST"])
+@router.get("/flush_cache")  # (two routes: one operation id each)
+@router.post("/flush_cache")
 async def flush_cache(server: Server = Depends(get_server)):
     refusal = server.engine.flush_refusal()  # requests paused in place (pause_generation)
     if refusal is not None:

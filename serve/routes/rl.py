@@ -72,7 +72,8 @@ async def update_weights_from_tensor(body: UpdateWeightsFromTensorRequest, serve
     return await _call("serialized_named_tensors", update)
 
 
-@router.api_route("/get_weights_by_name", methods=["GET", "POST"])
+@router.get("/get_weights_by_name")  # (two routes: one operation id each)
+@router.post("/get_weights_by_name")
 async def get_weights_by_name(body: GetWeightsByNameRequest, server: Server = Depends(get_server)):
     values = await _call("name", server.engine.get_weights_by_name, body.name, body.truncate_size)
     return values.tolist()
