@@ -44,8 +44,9 @@ SERVER=$!
 ready=
 for _ in $(seq 300); do
   kill -0 "$SERVER" 2>/dev/null || fail "the server exited before it was ready (port $PORT taken? set PORT to a free one)"
-  # our server, and not another one on the port: only it serves the model under this run's name
-  if curl -sf "$BASE/v1/models/$NONCE" >/dev/null 2>&1; then
+  # our server, and not another one on the port: only it lists the model under this run's name
+  if curl -sf "$BASE/v1/models" 2>/dev/null | "$PYTHON" -c "import json, sys
+sys.exit('$NONCE' not in [m.get('id') for m in json.load(sys.stdin).get('data', [])])" 2>/dev/null; then
     ready=1
     break
   fi
