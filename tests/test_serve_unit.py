@@ -255,7 +255,8 @@ def test_body_limits_name_the_limit():
     cases = [
         ({"text": "hi", "sampling_params": {str(i): 1 for i in range(b.MAX_OBJECT_KEYS + 1)}}, 413,
          "sampling_params", "keys in one object"),
-        ({"text": "hi", "messages": [{"x": [1] * (b.MAX_ARRAY_ITEMS + 1)}]}, 413, "messages[0].x", "items in one array"),
+        ({"text": "hi", "messages": [{"x": [1] * (b.MAX_ARRAY_ITEMS + 1)}]}, 413, "messages[0].x",
+         "items in one array"),
         ({"a": [{str(j): 0 for j in range(1000)} for _ in range(101)]}, 413, "body", "keys in a request body"),
         ({f"{i:x}": 1 for i in range(700_000)}, 413, "body", "700,000 keys in all"),  # counted before it is parsed
         ({"a": [[[1] * 1000] * 1000] * 5}, 413, "body", "values in a request body"),

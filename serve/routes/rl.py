@@ -3,7 +3,12 @@
 ``POST /pause_generation``, ``POST /continue_generation``, ``POST /release_memory_occupation``,
 ``POST /resume_memory_occupation`` (``{"tags": ["weights", "kv_cache"]}``, both when absent), ``POST /score``
 (``{"text" | "input_ids", "completions": [...], "estimator": "chain" | "elbo", "num_samples", "seed"}``: per
-completion ``{"tokens", "token_logprobs", "logprob", "num_tokens"}``).
+completion ``{"tokens", "token_logprobs", "logprob", "num_tokens"}``; a list of texts or of id lists is a batch,
+answered with one such list per prompt; errors name the body's fields, ``text`` where the engine says ``prompt``).
+
+Every endpoint here but ``/score`` and ``/get_weights_by_name`` changes the server's state: it takes requests from
+this server's own pages only (:data:`serve.limits.STATE_CHANGING`). A malformed tensor blob is a 400 naming the
+field and the header entry, quoting none of its bytes.
 
 Each calls the engine's method of the same name in a worker thread (an update waits for the engine's round
 boundary, or with ``flush_cache`` for running requests to finish: never on the event loop). A refused update (an
