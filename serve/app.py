@@ -10,7 +10,10 @@ The server by concern (imports point down this list, and only ``serve`` imports 
     routes/          sglang (/generate), openai (/v1/...; frames in openai_stream), admin (info, metrics,
                      cache, profiler, aborts), rl (weight updates, pause / continue), playground (the page at /)
     streaming        SSE response and frames
-    limits           API key, body size, response accounting (one ASGI middleware)
+    limits           API key, body size, Host / Origin (state-changing endpoints: this server's own origin only),
+                     response accounting (one ASGI middleware)
+    body             JSON bodies parsed and validated in a worker thread, within limits on keys, items, nesting
+    openapi          /openapi.json as the server answers (400s and its error body, content types, operation ids)
     state            Server (input checks, capacity, submission), Batch (one HTTP request's engine requests)
     features         fields the engine may not implement yet (logprobs, penalties): pass or 400
     logprobs         log probabilities in OpenAI's shapes
@@ -22,9 +25,10 @@ ready. :func:`drain` is a graceful shutdown's first half (``dllm-jax serve`` run
 uvicorn closes the connections): new requests get 503 at once, running ones may finish for a while, then every
 open stream ends with an error frame and ``[DONE]`` and every waiting request with a 503.
 
-Validation failures are 400 with ``{"error": {"message", "type", "param", "code"}}`` where ``param`` names the
-field; they never reach the engine's loop. A client that disconnects aborts its requests (their KV pages come
-back at the engine's next round). See serve/README.md for the endpoints.
+Validation failures are 400 with ``{"error": {"message", "type", "param", "code"}}`` where ``param`` names the field
+(``code``: a string or null, as OpenAI's); they never reach the engine's loop, nor hold up the event loop. A client
+that disconnects aborts its requests (their KV pages come back at the engine's next round). See serve/README.md for
+the endpoints.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve.errors import ApiError, error_from_validation
+from serve import openapi
 from serve.limits import Gate
 from serve.routes import admin, openai, playground, rl, sglang
 from serve.settings import ServerSettings
@@ -147,7 +152,8 @@ def create_app(engine=None, settings: ServerSettings | None = None, *,
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
         logger.exception("internal error on %s", request.url.path)
-        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+        # the exception's text may quote server paths or data: the log has it, the client gets its kind
+        return ApiError(500, f"internal error ({type(exc).__name__}); the server's log has the details").response()
 
     routers = [m.router for m in (admin, sglang, openai, rl) + ((playground,) if settings.playground else ())]
     for router in routers:
@@ -155,6 +161,7 @@ def create_app(engine=None, settings: ServerSettings | None = None, *,
     # the routers' own paths (newer FastAPI includes routers lazily: app.routes does not list their routes)
     routes = {r.path for rt in [app, *routers] for r in rt.routes if hasattr(r, "path")}
     app.add_middleware(Gate, server_ref=lambda: app.state.server, settings=settings, routes=routes)
+    openapi.install(app, api_key=bool(settings.api_key))
     return app
 
 

@@ -1,4 +1,6 @@
-"""Errors: every refusal is ``{"error": {"message", "type", "param", "code"}}``, ``param`` naming the field.
+"""Errors: every refusal is ``{"error": {"message", "type", "param", "code"}}``, ``param`` naming the field and
+``code`` a string or null, as OpenAI's (``model_not_found``, ``invalid_api_key``, ``request_too_large``,
+``body_too_complex``; null for the rest, whose ``type`` and HTTP status say what they are).
 
 A ``ValueError`` from the engine or a validator starts with the field's path (``sampling_params[1].top_p: ...``);
 :func:`bad_request` and :func:`error_from_validation` turn such messages into an :class:`ApiError` whose ``param``
@@ -26,13 +28,17 @@ class ApiError(Exception):
     REASONS = {400: "invalid", 401: "unauthorized", 403: "forbidden", 404: "not_found", 408: "body_timeout",
                413: "too_large", 415: "unsupported_media_type", 421: "misdirected", 503: "unavailable"}
 
+    # OpenAI's ``code`` is a string or null: null for most refusals (the type and the status say what they are), a
+    # machine-readable name where a client may act on it
+    CODES = {401: "invalid_api_key", 413: "request_too_large"}
+
     def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None,
-                 reason: str | None = None, code: str | int | None = None):
+                 reason: str | None = None, code: str | None = None):
         super().__init__(message)
         if param is None and status < 500:
             message, param = _name_the_part(status, message, headers)
         self.status, self.message, self.param, self.headers = status, message, param, headers
-        self.code = status if code is None else code
+        self.code = code if code is not None else self.CODES.get(status)
         self.reason = reason or self.REASONS.get(status)
 
     def response(self) -> JSONResponse:
@@ -40,9 +46,10 @@ class ApiError(Exception):
                             headers=self.headers)
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | int | None = None) -> dict:
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": _printable(message), "type": ApiError.TYPES.get(status, "error"),
-                      "param": None if param is None else _printable(param), "code": status if code is None else code}}
+                      "param": None if param is None else _printable(param),
+                      "code": code if code is not None else ApiError.CODES.get(status)}}
 
 
 def _printable(text: str) -> str:
@@ -104,6 +111,16 @@ def bad_request(message: str, renames: dict | None = None) -> ApiError:
                 param = new + rest
                 break
     return ApiError(400, message, param)
+
+
+def qualify(message: str, prefix: str, names) -> str:
+    """An engine message whose field is a bare sampling parameter (``top_logprobs_num: ...``, as a model's own
+    refusals name them) as the request's path to it (``sampling_params.top_logprobs_num: ...``), which
+    :func:`bad_request`'s renames then turn into the body's name (``top_logprobs`` on chat)."""
+    param = _param_of(message)
+    if param is None or re.split(r"[.\[]", param)[0] not in names:
+        return message
+    return f"{prefix}.{message}"
 
 
 def error_from_validation(exc: RequestValidationError) -> ApiError:

@@ -7,6 +7,11 @@ In the order they apply (see serve/README.md, "Threat model", for why):
   page sends its own name); one whose ``Origin`` (sent by browsers) is neither this server's own page nor a host of
   ours is a 403. Off with ``allowed_hosts=["*"]``, and by default when bound to a wildcard address with an API key
   (:attr:`ServerSettings.any_host`).
+* **State-changing endpoints** (:data:`STATE_CHANGING`: the cache, the profiler, aborts, weight updates, pause /
+  continue, memory release; every method): only this server's own pages, whatever the settings. A request whose
+  ``Origin`` is not the origin of the request's own ``Host`` (another port of localhost included), or that a
+  browser marks ``Sec-Fetch-Site`` ``cross-site`` / ``same-site`` (an ``<img>`` GET carries no Origin), is a 403; a
+  request with neither header (curl, SDKs, RL trainers) passes.
 * **API key**: with one, every path but the open ones (``/health`` and the playground's static page, which asks
   for the key itself) needs ``Authorization: Bearer KEY``: 401 with ``WWW-Authenticate: Bearer`` otherwise, before
   the body is read.
@@ -35,6 +40,12 @@ from serve.errors import ApiError
 from serve.settings import WILDCARD_HOSTS, ServerSettings
 
 OPEN_PATHS = frozenset({"/health", "/", "/favicon.ico"})
+# Endpoints that change the server's state (every POST endpoint but generation and the read-only ones): only this
+# server's own pages may call them (tests/test_serve_unit.py checks that no POST route is left out)
+STATE_CHANGING = frozenset({"/flush_cache", "/start_profile", "/stop_profile", "/abort_request",
+                            "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weight_version",
+                            "/pause_generation", "/continue_generation", "/release_memory_occupation",
+                            "/resume_memory_occupation"})
 OPEN_PREFIXES = ("/static/",)
 CLOSE = {"Connection": "close"}  # a body left unread cannot be followed by another request on the connection
 
@@ -98,11 +109,15 @@ class Gate:
     def _refusal(self, scope, path: str) -> ApiError | None:
         """The answer to a request refused before the app sees it, or None."""
         settings = self.settings
+        host = _header(scope, b"host")
+        if not settings.any_host and host is not None and not host_allowed(host, settings):
+            return ApiError(421, f"host: {host!r} is not a host name of this server (DNS rebinding "
+                                 f"protection); start it with --allowed-hosts NAME to accept it", "host")
+        if path in STATE_CHANGING:
+            err = cross_site_refusal(scope, path, host)
+            if err is not None:
+                return err
         if not settings.any_host:
-            host = _header(scope, b"host")
-            if host is not None and not host_allowed(host, settings):
-                return ApiError(421, f"host: {host!r} is not a host name of this server (DNS rebinding "
-                                     f"protection); start it with --allowed-hosts NAME to accept it", "host")
             origin = _header(scope, b"origin")
             if origin is not None and not origin_allowed(origin, host, settings):
                 return ApiError(403, f"origin: requests from pages at {origin!r} are not accepted (only this "
@@ -201,6 +216,48 @@ def origin_allowed(origin: str, host: str | None, settings: ServerSettings) -> b
     if host is not None and netloc == host.strip().lower():
         return True
     return _ours(*split_host(netloc), settings)
+
+
+_DEFAULT_PORTS = {"http": "80", "https": "443"}
+
+
+def same_origin(origin: str, host: str | None) -> bool:
+    """Whether ``Origin`` is the origin of the request's own ``Host`` (scheme's default port filled in on both
+    sides): a page this server served, however it was reached. ``null`` and any other origin are not."""
+    if host is None:
+        return False
+    try:
+        parts = urlsplit(origin.strip())
+    except ValueError:
+        return False
+    netloc = parts.netloc.lower()
+    if not netloc or "@" in netloc or parts.scheme.lower() not in _DEFAULT_PORTS or parts.path not in ("", "/"):
+        return False
+    default = _DEFAULT_PORTS[parts.scheme.lower()]
+    name, port = split_host(netloc)
+    host_name, host_port = split_host(host)
+    return bool(name) and (name, port or default) == (host_name, host_port or default)
+
+
+def cross_site_refusal(scope, path: str, host: str | None) -> ApiError | None:
+    """The 403 of a state-changing request that a browser sent from a page other than this server's own."""
+    origin = _header(scope, b"origin")
+    if origin is not None and not same_origin(origin, host):
+        return ApiError(403, f"origin: {path} changes the server's state and accepts requests from this server's own "
+                             f"pages only (Origin {_short(origin)} is not the origin of Host {_short(host)}); other "
+                             f"clients send no Origin", "origin")
+    site = _header(scope, b"sec-fetch-site")
+    if site is not None and site.strip().lower() not in ("same-origin", "none"):
+        return ApiError(403, f"origin: {path} changes the server's state and accepts requests from this server's own "
+                             f"pages only (the browser marked this one Sec-Fetch-Site: {_short(site)})", "origin")
+    return None
+
+
+def _short(text: str | None, limit: int = 80) -> str:
+    """A client's header value, quoted and cut short, for a message."""
+    if text is None:
+        return "none"
+    return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 def _header(scope, name: bytes) -> str | None:

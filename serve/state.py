@@ -23,7 +23,8 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from serve.errors import ApiError, bad_request
+from serve import features
+from serve.errors import ApiError, bad_request, qualify
 from serve.metrics import ServerMetrics, snapshot
 from serve.settings import ServerSettings
 
@@ -169,9 +170,12 @@ class Server:
     # -- submission -----------------------------------------------------------------------------
     def start_batch(self, ids_list: list[list[int]], params_list: list[dict], fields: list[str], *,
                     stream: bool, rids: list[str | None] | None = None, renames: dict | None = None,
-                    provisional: bool = False, batch_field: str | None = None) -> "Batch":
+                    provisional: bool = False, batch_field: str | None = None,
+                    params_fields: list[str] | None = None) -> "Batch":
         """Validate every engine request, check capacity, then submit them all (or none). ``fields`` name each
-        request's prompt in errors; ``batch_field`` names what made the batch too large (default: the prompt)."""
+        request's prompt in errors, ``params_fields`` its sampling params (default ``sampling_params``; an engine
+        error naming a bare parameter is put under it, then ``renames`` apply); ``batch_field`` names what made the
+        batch too large (default: the prompt)."""
         if not self.ready:
             raise self.unavailable()
         n = len(ids_list)
@@ -192,7 +196,8 @@ class Server:
                                                      on_event=batch.on_event_for(i), field=field,
                                                      provisional=provisional, stream=stream))
             except ValueError as e:
-                raise bad_request(str(e), renames) from None
+                prefix = params_fields[i] if params_fields else "sampling_params"
+                raise bad_request(qualify(str(e), prefix, features.engine_sampling_fields()), renames) from None
         if self.inflight + n > self.capacity:
             raise ApiError(503, f"server busy: {self.inflight} requests in flight, capacity {self.capacity}; "
                                 f"retry later", headers={"Retry-After": str(self.settings.retry_after_s)},

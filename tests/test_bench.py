@@ -303,3 +303,71 @@ def test_score_check_smoke(tmp_path, capsys):
         wins = result["estimators"][estimator]
         assert sum(n for _, n in wins["per_task"].values()) == 6 and 0 <= wins["wins"] <= 6
     assert "score_check: the correct answer ranked first" in capsys.readouterr().out
+
+
+_IMPOSTOR = """
+import http.server, json, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # answers everything: /health, /v1/models, ...
+        body = json.dumps({"status": "ok", "object": "list", "data": [{"id": "impostor"}]}).encode()
+        self.send_response(200); self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body))); self.end_headers(); self.wfile.write(body)
+    def log_message(self, *a): pass
+srv = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H)
+print("listening", flush=True)
+srv.serve_forever()
+"""
+
+_FAKE_LM_EVAL = """
+import json, sys, urllib.request
+args = sys.argv[1:]
+model_args = dict(kv.split("=", 1) for kv in args[args.index("--model_args") + 1].split(","))
+base = model_args["base_url"].rsplit("/v1/", 1)[0]
+names = [m["id"] for m in json.load(urllib.request.urlopen(base + "/v1/models"))["data"]]
+with open(sys.argv[0] + ".json", "w") as f:
+    json.dump({"base": base, "names": names}, f)
+"""
+
+
+def test_lm_eval_run_script_evaluates_its_own_server(tmp_path):
+    """bench/lm_eval_task/run.sh (issue 49: it evaluated whatever already listened on its port and exited 1 without
+    a word). With a port taken by another server it says that its own server could not start and never runs
+    lm-eval; by default it picks a free port and lm-eval talks to the server it started, which is gone after."""
+    import shutil
+    import socket
+    import subprocess
+
+    if shutil.which("curl") is None or shutil.which("bash") is None:
+        pytest.skip("run.sh needs bash and curl")
+    fake = tmp_path / "lm_eval"
+    fake.write_text(f"#!{sys.executable}\n{_FAKE_LM_EVAL}")
+    fake.chmod(0o755)
+    impostor_py = tmp_path / "impostor.py"
+    impostor_py.write_text(_IMPOSTOR)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        busy = s.getsockname()[1]
+    impostor = subprocess.Popen([sys.executable, str(impostor_py), str(busy)], stdout=subprocess.PIPE, text=True)
+    env = dict(os.environ, LM_EVAL=str(fake), PYTHON=sys.executable, JAX_PLATFORMS="cpu",
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    script = os.path.join(REPO, "bench", "lm_eval_task", "run.sh")
+    try:
+        assert impostor.stdout.readline().strip() == "listening"
+        taken = subprocess.run(["bash", script], env=dict(env, PORT=str(busy)), capture_output=True, text=True,
+                               timeout=300)
+        assert taken.returncode == 1, taken
+        assert f"the server exited before it was ready (port {busy} taken?" in taken.stderr, taken.stderr
+        assert "the server's log" in taken.stderr  # (uvicorn's bind error follows)
+        assert not (tmp_path / "lm_eval.json").exists(), "lm-eval ran against the server already on the port"
+        ok = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=600)
+        assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
+    finally:
+        impostor.kill()
+        impostor.wait()
+    seen = json.loads((tmp_path / "lm_eval.json").read_text())
+    assert seen["names"][0] == "sdar-tiny" and seen["names"][1].startswith("run-"), seen
+    assert "ready on " + seen["base"] in ok.stdout
+    port = int(seen["base"].rsplit(":", 1)[1])
+    with socket.socket() as s:  # the script's server is gone
+        assert s.connect_ex(("127.0.0.1", port)) != 0

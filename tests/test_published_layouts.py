@@ -199,3 +199,31 @@ def test_sdar_moe_published_layout_decodes_like_transformers(tmp_path):
     finally:
         engine.shutdown()
     _no_remote_code(pub.path)
+
+
+def test_tokenizer_fixtures_have_the_vocabulary_they_promise(tmp_path):
+    """``bpe_vocab`` tokens of BPE, then the added ones (issue 49: ``write_gemma_tokenizer(bpe_vocab=995)`` gave 543
+    tokens where its docstring promised 1,000, the word corpus having merges for about 540); the default sizes keep
+    their tokens."""
+    import json
+
+    from transformers import PreTrainedTokenizerFast
+
+    from dllm_jax.testing.tokenizer_files import (GEMMA_ADDED_TOKENS, train_bpe, write_gemma_tokenizer,
+                                                  write_qwen2_tokenizer)
+
+    for bpe_vocab in (256, 400, 543, 544, 995, 4000):
+        out = tmp_path / f"gemma{bpe_vocab}"
+        out.mkdir()
+        ids = write_gemma_tokenizer(str(out), bpe_vocab=bpe_vocab)
+        tok = PreTrainedTokenizerFast.from_pretrained(str(out))
+        assert len(tok) == bpe_vocab + len(GEMMA_ADDED_TOKENS), (bpe_vocab, len(tok))
+        assert sorted(ids.values()) == list(range(bpe_vocab, bpe_vocab + len(GEMMA_ADDED_TOKENS)))
+        assert tok.decode(tok.encode("hello world 42", add_special_tokens=False)) == "hello world 42"
+    out = tmp_path / "qwen"
+    out.mkdir()
+    ids = write_qwen2_tokenizer(str(out), bpe_vocab=995)
+    assert len(json.loads((out / "vocab.json").read_text())) == 995 and min(ids.values()) == 995
+    for bad in (100, 255, 1 << 17):
+        with pytest.raises(ValueError, match="bpe_vocab"):
+            train_bpe(bad)

@@ -77,3 +77,35 @@ def test_errors_and_http(engine):
         body = r.json()
         assert len(body) == 2 and body[0]["num_tokens"] == len(body[0]["token_logprobs"])
         assert client.post("/score", json={"text": "x", "completions": ["a"], "estimator": "?"}).status_code == 400
+
+
+def test_batch_forms_and_fields(engine):
+    """The batch forms generate takes (issue 49: ``input_ids=[[...]]`` failed with "completions[0]: must be a list
+    of integer token ids"): one list of results per prompt, each as the prompt alone scores; errors name the
+    prompt's index, and over HTTP the body's own field (``text``, not ``prompt``)."""
+    a, b = engine.tokenize("Count up 3 steps from 5."), engine.tokenize("Repeat 8 times: red owl")
+    completions = ["Answer: 1 5", [5, 6, 7]]
+    singles = [engine.score(input_ids=ids, completions=completions) for ids in (a, b)]
+    assert engine.score(input_ids=[a, b], completions=completions) == singles
+    assert engine.score(input_ids=[a], completions=completions) == singles[:1]
+    assert engine.score(["Count up 3 steps from 5.", "Repeat 8 times: red owl"], completions) == singles
+    with pytest.raises(ValueError, match=r"^input_ids\[1\]\[0\]: token id"):
+        engine.score(input_ids=[a, [10 ** 9]], completions=completions)
+    fits = [5] * (engine.context_length - engine.block_size - 1)  # alone, but not with 40 more tokens
+    engine.score(input_ids=[fits], completions=[[6]])
+    with pytest.raises(ValueError, match=r"^completions\[0\]: "):
+        engine.score(input_ids=[a, fits], completions=[[6] * 40])
+    with pytest.raises(ValueError, match=r"^prompt: must be a string"):
+        engine.score([], completions)
+    from fastapi.testclient import TestClient
+
+    from serve import ServerSettings, create_app
+
+    app = create_app(engine, ServerSettings(), own_engine=False)
+    with TestClient(app, base_url="http://localhost") as client:
+        r = client.post("/score", json={"input_ids": [a, b], "completions": completions})
+        assert r.status_code == 200 and r.json() == singles, r.text
+        r = client.post("/score", json={"completions": ["a"]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "text", r.text
+        r = client.post("/score", json={"text": ["ok", ""], "completions": ["a"]})
+        assert r.status_code == 200, r.text  # (an empty prompt scores the completion unconditioned)

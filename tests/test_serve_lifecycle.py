@@ -107,7 +107,7 @@ def stream_outcome(s: dict) -> str:
         assert reason["type"] == "length" and last["meta_info"]["completion_tokens"] > 0, last
         return "completed"
     if "error" in last:
-        assert last["error"]["code"] == 503 and "server shutting down" in last["error"]["message"], last
+        assert last["error"]["type"] == "server_busy" and "server shutting down" in last["error"]["message"], last
         return "aborted"
     assert last["choices"][0]["finish_reason"] == "length", last
     return "completed"
@@ -116,7 +116,7 @@ def stream_outcome(s: dict) -> str:
 def post_outcome(p: dict) -> str:
     if p["status"] == 200:
         return "completed"
-    assert p["status"] == 503 and p["json"]["error"]["code"] == 503, p
+    assert p["status"] == 503 and p["json"]["error"]["type"] == "server_busy", p
     assert "server shutting down" in p["json"]["error"]["message"] and p["retry_after"], p
     return "aborted"
 
@@ -189,7 +189,7 @@ def test_start_warm_up_then_sigint_drains(model_dir, tmp_path):
         r = httpx.get(server.base + "/health")
         assert r.status_code == 503 and r.json() == {"status": "starting"} and r.headers["retry-after"], r.text
         r = httpx.post(server.base + "/generate", json=generate(0, 8))
-        assert r.status_code == 503 and r.json()["error"]["code"] == 503 and r.headers["retry-after"], r.text
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_busy" and r.headers["retry-after"], r.text
         ready_s = server.wait_healthy()
         assert httpx.get(server.base + "/health").json() == {"status": "ok"}
         TIMINGS["port open"], TIMINGS["ready"] = port_s, ready_s

@@ -221,3 +221,173 @@ def test_in_process_app_incremental_streaming(tiny_model):
         "completion_tokens"] == 3
     engine.shutdown()
     assert engine.allocator.num_free + engine.radix.total == engine.allocator.capacity
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 49: bodies parsed off the event loop within limits; origins; error fields; malformed tensors; the schema
+# ----------------------------------------------------------------------------------------------
+def _refused(body: bytes):
+    from fastapi.exceptions import RequestValidationError
+
+    from serve.body import parse_json
+    from serve.errors import ApiError, error_from_validation
+
+    try:
+        parse_json(body)
+    except ApiError as e:
+        return e
+    except RequestValidationError as e:
+        return error_from_validation(e)
+    return None
+
+
+def test_body_limits_name_the_limit():
+    """Keys (in all, and per object), items per array, values in all and nesting are bounded while the body is
+    parsed: a 413 (400 for nesting) naming the object or array and the limit, before any model validation."""
+    import json
+
+    from serve import body as b
+
+    ok = {"text": [f"prompt {i}" for i in range(10_000)], "sampling_params": {"logit_bias": {str(i): 1 for i in
+                                                                                           range(300)}},
+          "input_ids": [[5] * 4096] * 64, "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]}
+    assert b.parse_json(json.dumps(ok).encode()) == ok
+    cases = [
+        ({"text": "hi", "sampling_params": {str(i): 1 for i in range(b.MAX_OBJECT_KEYS + 1)}}, 413,
+         "sampling_params", "keys in one object"),
+        ({"text": "hi", "messages": [{"x": [1] * (b.MAX_ARRAY_ITEMS + 1)}]}, 413, "messages[0].x",
+         "items in one array"),
+        ({"a": [{str(j): 0 for j in range(1000)} for _ in range(101)]}, 413, "body", "keys in a request body"),
+        ({f"{i:x}": 1 for i in range(700_000)}, 413, "body", "700,000 keys in all"),  # counted before it is parsed
+        ({"a": [[[1] * 1000] * 1000] * 5}, 413, "body", "values in a request body"),
+    ]
+    for body, status, param, words in cases:
+        e = _refused(json.dumps(body).encode())
+        assert e is not None and (e.status, e.param) == (status, param), (param, e and (e.status, e.param, e.message))
+        assert words in e.message and e.message.startswith(param + ":"), e.message
+        assert e.code == "body_too_complex"
+    for depth in (b.MAX_DEPTH + 1, 100_000):  # (the second beyond the parser's own recursion limit)
+        e = _refused(b"[" * depth + b"]" * depth)
+        assert (e.status, e.param) == (400, "body") and f"deeper than {b.MAX_DEPTH}" in e.message
+    assert b.parse_json(b"[" * b.MAX_DEPTH + b"]" * b.MAX_DEPTH) is not None
+    # a prompt full of colons is not taken for keys (they are counted only outside strings)
+    assert b.parse_json(json.dumps({"text": ":" * 200_000}).encode())["text"] == ":" * 200_000
+    e = _refused(b'{"text": }')
+    assert (e.status, e.param) == (400, "body") and e.message.startswith("body: malformed JSON at position 9")
+    e = _refused(b"\xff\xfe\xfd")
+    assert (e.status, e.param) == (400, "body")
+
+
+def test_state_changing_endpoints_are_own_origin_only():
+    """Every POST endpoint but generation and the read-only ones is state-changing (so none is forgotten); those
+    take only this server's own origin (the request's Host) or no Origin, whatever the settings."""
+    from serve.limits import STATE_CHANGING, same_origin
+    from serve.routes import admin, openai, rl, sglang
+
+    posts = {r.path for m in (admin, openai, rl, sglang) for r in m.router.routes if "POST" in r.methods}
+    assert posts - STATE_CHANGING == {"/generate", "/v1/completions", "/v1/chat/completions", "/score",
+                                      "/get_weights_by_name"}
+    assert STATE_CHANGING <= posts
+    for origin, host in (("http://127.0.0.1:30000", "127.0.0.1:30000"), ("http://localhost", "localhost:80"),
+                         ("https://gpu.example", "gpu.example:443"), ("http://[::1]:8", "[::1]:8"),
+                         ("HTTP://GPU.example:9", "gpu.example:9")):
+        assert same_origin(origin, host), (origin, host)
+    for origin, host in (("http://localhost:9999", "localhost:30000"), ("http://127.0.0.1:30000", "localhost:30000"),
+                         ("null", "localhost:30000"), ("https://gpu.example", "gpu.example:80"),
+                         ("http://user@localhost:30000", "localhost:30000"), ("file://", "localhost"),
+                         ("http://localhost:30000/x", "localhost:30000"), ("http://localhost:30000", None)):
+        assert not same_origin(origin, host), (origin, host)
+
+
+def test_error_codes_are_strings_or_null_and_params_the_clients_fields():
+    from serve import features
+    from serve.errors import ApiError, bad_request, error_body, qualify
+    from serve.schemas import CHAT_FIELD_NAMES, OPENAI_FIELD_NAMES
+
+    assert error_body(400, "x: bad", "x")["error"]["code"] is None
+    assert ApiError(401, "authorization: no").code == "invalid_api_key"
+    assert ApiError(503, "busy").response().body.count(b'"code":null') == 1
+    for status in (400, 403, 404, 405, 408, 413, 415, 421, 500, 503):
+        code = ApiError(status, "x: y").code
+        assert code is None or isinstance(code, str), (status, code)
+    # a model's own refusal names the bare engine parameter: put under sampling_params, then renamed
+    names = features.engine_sampling_fields()
+    msg = qualify("top_logprobs_num: not supported with Gemma4Renoise", "sampling_params", names)
+    assert bad_request(msg, CHAT_FIELD_NAMES).param == "top_logprobs"
+    assert bad_request(msg, OPENAI_FIELD_NAMES).param == "logprobs"
+    msg = qualify("min_new_tokens: not supported", "sampling_params[1]", names)
+    assert bad_request(msg).param == "sampling_params[1].min_new_tokens"
+    assert qualify("rid: taken", "sampling_params", names) == "rid: taken"  # not a sampling parameter
+    assert bad_request("prompt[1]: empty", {"prompt": "text"}).param == "text[1]"
+
+
+def test_malformed_safetensors_blobs_are_value_errors():
+    """Every malformed blob is a ValueError naming the field (the route's 400), never an OverflowError or a
+    wrapped-around size; none quotes the blob's first bytes."""
+    from serve_fuzz import bad_tensor_blobs
+
+    from dllm_jax.model.weight_update import decode_tensors
+
+    for what, blob in bad_tensor_blobs():
+        with pytest.raises(ValueError) as e:
+            decode_tensors(blob, "serialized_named_tensors")
+        message = str(e.value)
+        assert message.startswith("serialized_named_tensors: "), (what, message)
+        assert "SECRET" not in message and str(int.from_bytes(b"SECRET!!", "little")) not in message, (what, message)
+
+
+def test_safetensors_file_errors_quote_nothing_of_the_file(tmp_path):
+    """A checkpoint file that is another file (a link to it): the error names the file and the problem, never its
+    first bytes read as a header length, nor its header's keys."""
+    import json
+
+    from dllm_jax.model.errors import CheckpointError
+    from dllm_jax.model.safetensors_io import SafetensorsFile
+
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"SECRET!!" + b"x" * 100)
+    header = json.dumps({"password-hunter2": {"dtype": "F32", "shape": [1], "data_offsets": [0, 8]}}).encode()
+    keys = tmp_path / "keys.safetensors"
+    keys.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 4)
+    for path, words in ((secret, "not a safetensors file"), (keys, "header entry 0: data_offsets")):
+        link = tmp_path / f"model-{path.stem}.safetensors"
+        link.symlink_to(path)
+        with pytest.raises(CheckpointError) as e:
+            SafetensorsFile(str(link))
+        message = str(e.value)
+        assert words in message and "SECRET" not in message and "hunter2" not in message, message
+        assert str(int.from_bytes(b"SECRET!!", "little")) not in message, message
+
+
+def test_openapi_document_is_the_servers(tmp_path):
+    """400 (not FastAPI's 422) with this server's error body, the gate's statuses, text/plain for /metrics, event
+    streams, unique operation ids; the bearer scheme only with a key. Built without an engine."""
+    from serve import ServerSettings, create_app
+
+    never = lambda: (_ for _ in ()).throw(AssertionError("not started"))  # noqa: E731
+    doc = create_app(engine_factory=never, settings=ServerSettings()).openapi()
+    text = json_dumps(doc)
+    assert "422" not in text and "HTTPValidationError" not in text
+    ids = [op["operationId"] for ops in doc["paths"].values() for op in ops.values()]
+    assert len(ids) == len(set(ids)), ids
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            assert {"400", "403", "413", "421", "500", "503"} <= set(op["responses"]), (path, method)
+            assert ("415" in op["responses"]) == (method == "post"), (path, method)
+            assert "security" not in op
+    assert doc["components"]["schemas"]["Error"]["properties"]["error"]["properties"]["code"]["type"] == \
+        ["string", "null"]
+    assert list(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+    for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+        assert "text/event-stream" in doc["paths"][path]["post"]["responses"]["200"]["content"]
+    assert {"get_flush_cache", "post_flush_cache", "get_v1_models_model_id"} <= set(ids)
+    keyed = create_app(engine_factory=never, settings=ServerSettings(api_key="k")).openapi()
+    assert keyed["paths"]["/generate"]["post"]["security"] == [{"bearer": []}]
+    assert keyed["paths"]["/health"]["get"]["security"] == []
+    assert "401" in keyed["paths"]["/generate"]["post"]["responses"]
+
+
+def json_dumps(obj) -> str:
+    import json
+
+    return json.dumps(obj)

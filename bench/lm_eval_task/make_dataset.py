@@ -5,6 +5,13 @@ rendered with the shipped model's chat template (the one it was trained on, gene
 are the correct answer and three near misses (one item changed: a number moved by 1 or 2, or a word swapped for
 another of the task's words), shuffled; ``label`` is the correct one's index. Deterministic (seeded).
 
+``context`` and ``continuations`` are what the lm-eval task scores: the prompt with the answers' common start
+(``Answer:``) and the choices after it. lm-eval moves a context's trailing whitespace into the continuation
+(``TemplateLM._encode_pair``), so with ``prompt`` (which ends in the template's ``"assistant\n"``) as the context
+every choice would be scored with that newline first, a token the model was never trained to predict (prompt
+tokens carry no loss): the same -12 to -15 nats added to each choice. Ending the context in ``Answer:`` keeps the
+newline in the context, where the model saw it in training.
+
     python bench/lm_eval_task/make_dataset.py [--num-docs 50] [--out bench/lm_eval_task/dllm_mc.jsonl]
 """
 
@@ -20,6 +27,9 @@ from dllm_jax.assets import DEFAULT_MODEL_PATH
 from dllm_jax.train import tasks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ANSWER_START = "Answer:"  # every answer of dllm_jax.train.tasks starts so
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--num-docs", type=int, default=50)
@@ -39,6 +49,9 @@ def main() -> None:
             order = rng.permutation(len(choices))
             doc = {"id": i, "task": ex.task, "prompt": prompt, "choices": [choices[j] for j in order],
                    "label": int(np.flatnonzero(order == 0)[0])}
+            assert all(c.startswith(ANSWER_START) for c in doc["choices"]), doc
+            doc["context"] = prompt + ANSWER_START
+            doc["continuations"] = [c[len(ANSWER_START):] for c in doc["choices"]]
             f.write(json.dumps(doc) + "\n")
     print(f"wrote {args.num_docs} docs to {args.out}")
 

@@ -14,10 +14,15 @@ from dllm_jax.decode.likelihood import ESTIMATORS, chain_scores, score
 
 
 class Scoring:
-    def score(self, prompt: str | None = None, completions: list | None = None, *, input_ids: list[int] | None = None,
-              estimator: str = "chain", num_samples: int = 8, seed: int = 0) -> list[dict]:
+    def score(self, prompt: str | list[str] | None = None, completions: list | None = None, *,
+              input_ids: list[int] | list[list[int]] | None = None, estimator: str = "chain", num_samples: int = 8,
+              seed: int = 0) -> list[dict] | list[list[dict]]:
         """Score each completion (text, tokenized without special tokens, or token ids) after the prompt (raw text
-        or ``input_ids``). Returns per completion ``{"tokens", "token_logprobs", "logprob", "num_tokens"}``."""
+        or ``input_ids``). Returns per completion ``{"tokens", "token_logprobs", "logprob", "num_tokens"}``.
+
+        The batch forms :meth:`generate` takes (a list of prompt texts, or ``input_ids`` as a list of id lists)
+        score every completion after each prompt and return one such list per prompt. Errors name the field:
+        ``prompt[1]`` / ``input_ids[1]`` in a batch, ``completions[2]``."""
         self._require_scheduler("score")
         self._check_occupied("score")
         if estimator not in ESTIMATORS:
@@ -26,22 +31,52 @@ class Scoring:
             raise ValueError(f"num_samples: must be an integer in [1, 1024], got {num_samples!r}")
         if (prompt is None) == (input_ids is None):
             raise ValueError("prompt: give exactly one of prompt (text) or input_ids")
-        ids = self.tokenize(prompt, "prompt") if prompt is not None else list(input_ids)
+        prompts, fields, single = self._score_prompts(prompt, input_ids)
         if not isinstance(completions, (list, tuple)) or not completions:
             raise ValueError("completions: must be a non-empty list of texts or token-id lists")
+        tokens_list = [self.tokenize(c, f"completions[{i}]") if isinstance(c, str) else c
+                       for i, c in enumerate(completions)]
+        for i, tokens in enumerate(tokens_list):
+            if not isinstance(tokens, (list, tuple)):
+                raise ValueError(f"completions[{i}]: must be a text or a list of integer token ids")
+            if tokens:
+                self.make_request(list(tokens), {"max_new_tokens": 1}, field=f"completions[{i}]")  # the id checks
+        for ids, field in zip(prompts, fields):
+            if ids:
+                self.make_request(ids, {"max_new_tokens": 1}, field=field)
+            for i, tokens in enumerate(tokens_list):
+                self.make_request(ids + list(tokens), {"max_new_tokens": 1}, field=f"completions[{i}]")  # it fits
+                if len(ids) + len(tokens) > self.context_length:
+                    what = "prompt" if single else field
+                    raise ValueError(f"completions[{i}]: {what} + completion ({len(ids) + len(tokens)} tokens) "
+                                     f"exceed context_length {self.context_length}")
         out = []
-        for i, c in enumerate(completions):
-            tokens = self.tokenize(c, f"completions[{i}]") if isinstance(c, str) else list(c)
-            self.make_request(ids + tokens, {"max_new_tokens": 1}, field=f"completions[{i}]")  # the id checks
-            if len(ids) + len(tokens) > self.context_length:
-                raise ValueError(f"completions[{i}]: prompt + completion ({len(ids) + len(tokens)} tokens) exceed "
-                                 f"context_length {self.context_length}")
-            with self._lock:
-                lps = score(self.runner.params, self.config, ids, tokens, estimator=estimator,
-                            num_samples=num_samples, seed=seed)
-            out.append({"tokens": tokens, "token_logprobs": lps.tolist(), "logprob": float(np.sum(lps)),
-                        "num_tokens": len(tokens)})
-        return out
+        for ids in prompts:
+            scored = []
+            for tokens in tokens_list:
+                tokens = list(tokens)
+                with self._lock:
+                    lps = score(self.runner.params, self.config, ids, tokens, estimator=estimator,
+                                num_samples=num_samples, seed=seed)
+                scored.append({"tokens": tokens, "token_logprobs": lps.tolist(), "logprob": float(np.sum(lps)),
+                               "num_tokens": len(tokens)})
+            out.append(scored)
+        return out[0] if single else out
+
+    def _score_prompts(self, prompt, input_ids) -> tuple[list[list[int]], list[str], bool]:
+        """(each prompt's ids, the field naming it, whether it was one prompt) for :meth:`score`."""
+        if prompt is not None:
+            if isinstance(prompt, str):
+                return [self.tokenize(prompt, "prompt")], ["prompt"], True
+            if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+                fields = [f"prompt[{i}]" for i in range(len(prompt))]
+                return [self.tokenize(p, f) for p, f in zip(prompt, fields)], fields, False
+            raise ValueError("prompt: must be a string or a non-empty list of strings")
+        if isinstance(input_ids, (list, tuple)) and input_ids and all(isinstance(x, (list, tuple)) for x in input_ids):
+            return [list(x) for x in input_ids], [f"input_ids[{i}]" for i in range(len(input_ids))], False
+        if isinstance(input_ids, (list, tuple)):
+            return [list(input_ids)], ["input_ids"], True
+        raise ValueError("input_ids: must be a list of token ids or a list of such lists")
 
     def prompt_logprobs(self, input_ids: list[int], top_k: int = 0, *, field: str = "input_ids") -> dict:
         """Per prompt token, the chain estimator's log-probability given the tokens before it (the first token's is

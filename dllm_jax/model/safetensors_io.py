@@ -12,6 +12,7 @@ import dataclasses
 import json
 import mmap
 import os
+import re
 
 import ml_dtypes  # ships with jax: bfloat16 as a numpy dtype
 import numpy as np
@@ -48,6 +49,71 @@ def safetensor_files(model_dir: str) -> list[str]:
     return []
 
 
+MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit (a header is names, shapes and offsets)
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_.:/\-]{1,128}")
+
+
+class HeaderError(ValueError):
+    """A malformed safetensors header; the message says what is wrong without quoting the file's bytes."""
+
+
+def header_length(head: bytes, size: int) -> int:
+    """The JSON header's length from a file's (or blob's) first 8 bytes, ``size`` bytes in all; a
+    :class:`HeaderError` that does not quote those bytes (a file that is not a safetensors file must not have its
+    first bytes read back to whoever named it)."""
+    if len(head) < 8:
+        raise HeaderError("not a safetensors file (shorter than its 8-byte header length)")
+    n = int.from_bytes(head[:8], "little")
+    if n < 2 or n > MAX_HEADER_BYTES or 8 + n > size:
+        raise HeaderError("not a safetensors file (its first 8 bytes are not the length of a header that fits it; "
+                          "truncated, or another kind of file)")
+    return n
+
+
+def parse_header(raw: bytes, data_size: int, *, names: bool = True) -> dict[str, tuple[np.dtype, tuple, int, int]]:
+    """A safetensors JSON header -> name -> (dtype, shape, begin, end), checked in full against the ``data_size``
+    bytes that follow it: every entry an object with a supported ``dtype``, a ``shape`` of non-negative integers
+    and ``data_offsets`` ``[begin, end]`` with ``0 <= begin <= end <= data_size`` holding exactly that shape. A
+    :class:`HeaderError` otherwise, naming the entry by position and, when ``names`` and the name is a plain
+    tensor name, by name (never quoting the header's other contents)."""
+    try:
+        header = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise HeaderError("the header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise HeaderError("the header is not a JSON object")
+    out = {}
+    for k, (name, meta) in enumerate(header.items()):
+        if name == "__metadata__":
+            continue
+        entry = f"header entry {k}" + (f" (tensor '{name}')" if names and _SAFE_NAME.fullmatch(name) else "")
+        if not isinstance(meta, dict):
+            raise HeaderError(f"{entry}: not an object")
+        dtype_name, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+        if not isinstance(dtype_name, str) or dtype_name not in ST_DTYPES:
+            raise HeaderError(f"{entry}: dtype must be one of {', '.join(ST_DTYPES)}")
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape) or len(shape) > 64:
+            raise HeaderError(f"{entry}: shape must be a list of at most 64 non-negative integers")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(x) for x in offsets):
+            raise HeaderError(f"{entry}: data_offsets must be two non-negative integers [begin, end]")
+        begin, end = offsets
+        if not begin <= end <= data_size:
+            raise HeaderError(f"{entry}: data_offsets [{begin}, {end}] do not lie within the {data_size} data bytes")
+        dtype = ST_DTYPES[dtype_name]
+        count = 1
+        for d in shape:  # exact (Python integers): a product that wraps around int64 must not pass
+            count *= d
+        if count * dtype.itemsize != end - begin:
+            raise HeaderError(f"{entry}: data_offsets [{begin}, {end}] hold {end - begin} bytes, but shape "
+                              f"{tuple(shape)} of {dtype_name} needs {count * dtype.itemsize}")
+        out[name] = (dtype, tuple(shape), begin, end)
+    return out
+
+
+def _is_count(v) -> bool:
+    return type(v) is int and 0 <= v < 1 << 62  # (not bool, not 2.0, not Infinity)
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
     dtype: np.dtype
@@ -80,41 +146,17 @@ class SafetensorsFile:
             raise
 
     def _parse_header(self) -> dict[str, TensorInfo]:
+        """The header, checked in full (:func:`parse_header`). Errors name the file and what is wrong with it, never
+        its bytes or (a file may not be what its name says: a link to another file) its tensor names."""
         path = self.path
         size = os.fstat(self._fd).st_size
-        head = os.pread(self._fd, 8, 0)
-        if len(head) < 8:
-            raise CheckpointError(f"{path}: cannot read safetensors file (truncated: {size} bytes, no header)")
-        n = int.from_bytes(head, "little")
-        if n <= 0 or 8 + n > size:
-            raise CheckpointError(f"{path}: cannot read safetensors file (header of {n} bytes does not fit the "
-                                  f"file's {size} bytes: truncated or not a safetensors file)")
         try:
-            header = json.loads(os.pread(self._fd, n, 8))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path}: cannot read safetensors file (header is not valid JSON: {e})") from e
-        if not isinstance(header, dict):
-            raise CheckpointError(f"{path}: cannot read safetensors file (header is not a JSON object)")
-        tensors = {}
-        for name, meta in header.items():
-            if name == "__metadata__":
-                continue
-            try:
-                dtype_name, shape, (begin, end) = meta["dtype"], tuple(int(s) for s in meta["shape"]), \
-                    meta["data_offsets"]
-            except (KeyError, TypeError, ValueError) as e:
-                raise CheckpointError(f"{path}: tensor '{name}' has a malformed header entry ({e})") from e
-            if dtype_name not in ST_DTYPES:
-                raise CheckpointError(f"{path}: tensor '{name}' has dtype {dtype_name}; supported: "
-                                      f"{', '.join(ST_DTYPES)}")
-            dtype = ST_DTYPES[dtype_name]
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            if int(end) - int(begin) != nbytes or begin < 0:
-                raise CheckpointError(f"{path}: tensor '{name}' has byte range [{begin}, {end}) but shape {shape} "
-                                      f"of {dtype_name} needs {nbytes} bytes")
-            if 8 + n + int(end) > size:
-                raise CheckpointError(f"{path}: tensor '{name}' ends past the end of the file (truncated?)")
-            tensors[name] = TensorInfo(dtype, shape, 8 + n + int(begin), nbytes)
+            n = header_length(os.pread(self._fd, 8, 0), size)
+            entries = parse_header(os.pread(self._fd, n, 8), size - 8 - n, names=False)
+        except HeaderError as e:
+            raise CheckpointError(f"{path}: cannot read safetensors file: {e}") from None
+        tensors = {name: TensorInfo(dtype, shape, 8 + n + begin, end - begin)
+                   for name, (dtype, shape, begin, end) in entries.items()}
         return dict(sorted(tensors.items(), key=lambda kv: kv[1].offset))  # file order: sequential reads
 
     def _mapping(self) -> mmap.mmap:

@@ -41,7 +41,8 @@ from dllm_jax.model.params import (Params, get_leaf, has_leaf, name_path, param_
 from dllm_jax.model.fused import fused_groups, segment_alias, segment_of
 from dllm_jax.model.placement import (_check_complete, _convert_fn, _copied, _normalize_head_device, _owned, _plan,
                                       _plan_ours, _Placer, missing_pieces, part_writer, segment_parts)
-from dllm_jax.model.safetensors_io import ST_DTYPES, SafetensorsFile, safetensor_files
+from dllm_jax.model.safetensors_io import (ST_DTYPES, HeaderError, SafetensorsFile, header_length, parse_header,
+                                          safetensor_files)
 
 ST_NAMES = {dtype: name for name, dtype in ST_DTYPES.items()}
 
@@ -453,39 +454,19 @@ def encode_tensors(named_tensors) -> str:
 def decode_tensors(data: str, field: str = "serialized_named_tensors") -> dict[str, np.ndarray]:
     """A base64 safetensors blob -> name -> read-only numpy views on its bytes; ``ValueError`` naming ``field``
     or the tensor for anything malformed."""
+    if not isinstance(data, str):
+        raise ValueError(f"{field}: must be a base64 string")
     try:
         blob = base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise ValueError(f"{field}: not base64 ({e})") from None
-    if len(blob) < 8:
-        raise ValueError(f"{field}: not a safetensors blob ({len(blob)} bytes)")
-    n = int.from_bytes(blob[:8], "little")
-    if 8 + n > len(blob):
-        raise ValueError(f"{field}: the safetensors header of {n} bytes does not fit the {len(blob)} bytes sent")
+    except (binascii.Error, ValueError):
+        raise ValueError(f"{field}: not base64 (A-Z, a-z, 0-9, +, / and = padding)") from None
     try:
-        header = json.loads(blob[8:8 + n])
-        if not isinstance(header, dict):
-            raise ValueError("not a JSON object")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{field}: the safetensors header is not valid JSON ({e})") from None
-    out = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = ST_DTYPES[meta["dtype"]]
-            shape = tuple(int(s) for s in meta["shape"])
-            begin, end = (int(x) for x in meta["data_offsets"])
-        except KeyError as e:
-            raise ValueError(f"tensor '{name}': dtype or field {e} not supported (floating dtypes: "
-                             f"{', '.join(ST_DTYPES)})") from None
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"tensor '{name}': malformed header entry ({e})") from None
-        count = int(np.prod(shape, dtype=np.int64))
-        if begin < 0 or end - begin != count * dtype.itemsize or 8 + n + end > len(blob):
-            raise ValueError(f"tensor '{name}': byte range [{begin}, {end}) does not hold shape {shape} of "
-                             f"{meta['dtype']} within the blob")
-        out[name] = np.frombuffer(blob, dtype, count, 8 + n + begin).reshape(shape)
+        n = header_length(blob[:8], len(blob))
+        entries = parse_header(blob[8:8 + n], len(blob) - 8 - n)
+    except HeaderError as e:
+        raise ValueError(f"{field}: {e}") from None
+    out = {name: np.frombuffer(blob, dtype, (end - begin) // dtype.itemsize, 8 + n + begin).reshape(shape)
+           for name, (dtype, shape, begin, end) in entries.items()}
     if not out:
         raise ValueError(f"{field}: the blob holds no tensors")
     return out

@@ -38,15 +38,39 @@ _CORPUS_WORDS = ("the a an of to in is was and for on with as by at from that th
                  "python code json list dict value key name time date good bad yes no why how what where").split()
 
 
-def train_bpe(vocab_size: int, seed: int = 0):
-    """A byte-level BPE with Qwen2's pre-tokenizer, trained offline in milliseconds on a synthetic corpus."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+MAX_BPE_VOCAB = 1 << 16
 
+
+def train_bpe(vocab_size: int, seed: int = 0):
+    """A byte-level BPE with Qwen2's pre-tokenizer and exactly ``vocab_size`` tokens (256 bytes and the merges),
+    trained offline in milliseconds on a synthetic corpus. The corpus of words above has merges for about 540
+    tokens; a larger vocabulary is trained on it plus seeded pseudo-words (random letter strings, as many as it
+    takes), so that the tokens of every size up to that stay those of the word corpus alone."""
+    if not isinstance(vocab_size, int) or not 256 <= vocab_size <= MAX_BPE_VOCAB:
+        raise ValueError(f"bpe_vocab: must be an integer in [256, {MAX_BPE_VOCAB}] (a byte-level BPE holds the 256 "
+                         f"bytes, then its merges), got {vocab_size!r}")
     rng = np.random.default_rng(seed)
     corpus = []
     for _ in range(2000):
         words = rng.choice(_CORPUS_WORDS, size=int(rng.integers(4, 16)))
         corpus.append(" ".join(words) + (". " if rng.random() < 0.5 else ", ") + str(int(rng.integers(0, 1000))))
+    tok = _train_bpe(corpus, vocab_size)
+    extra, words = np.random.default_rng([seed, 1]), 8000
+    while tok.get_vocab_size() < vocab_size:
+        lengths = extra.integers(2, 9, size=words)
+        letters = (extra.integers(0, 26, size=int(lengths.sum())) + ord("a")).astype(np.uint8).tobytes().decode()
+        ends = np.cumsum(lengths)
+        pseudo = [letters[e - n:e] for e, n in zip(ends, lengths)]
+        corpus += [" ".join(pseudo[i:i + 10]) for i in range(0, words, 10)]
+        words *= 2
+        tok = _train_bpe(corpus, vocab_size)
+    assert tok.get_vocab_size() == vocab_size, (tok.get_vocab_size(), vocab_size)
+    return tok
+
+
+def _train_bpe(corpus: list[str], vocab_size: int):
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([

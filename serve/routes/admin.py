@@ -15,11 +15,12 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from serve.body import JSONBodyRoute
 from serve.errors import ApiError, model_not_found
 from serve.schemas import AbortRequest, ProfileRequest
 from serve.state import Server, get_server
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 
 
 @router.get("/health")
@@ -80,7 +81,8 @@ async def internal_load(server: Server = Depends(get_server)):
     return {**server.load_snapshot(), "server_inflight": server.inflight, "server_capacity": server.capacity}
 
 
-@router.api_route("/flush_cache", methods=["GET", "POST"])
+@router.get("/flush_cache")  # (two routes: one operation id each)
+@router.post("/flush_cache")
 async def flush_cache(server: Server = Depends(get_server)):
     refusal = server.engine.flush_refusal()  # requests paused in place (pause_generation)
     if refusal is not None:
@@ -103,21 +105,24 @@ async def start_profile(body: ProfileRequest | None = None, server: Server = Dep
                                       0 if body.num_steps is None else body.num_steps)
     except RuntimeError as e:
         raise ApiError(400, f"start_profile: {e}") from None
-    except OSError as e:
-        raise ApiError(400, f"output_dir: {e}", "output_dir") from None
+    except OSError as e:  # (its text holds the resolved path: only the reason is told)
+        raise ApiError(400, f"output_dir: cannot write the profile there ({e.strerror or type(e).__name__})",
+                       "output_dir") from None
     return {"success": True, "output_dir": out}
 
 
 def profile_path(root: str, output_dir: str | None) -> str:
     """``output_dir`` (default: the root itself) resolved under ``root`` (absolute, symbolic links resolved), or
-    a 403 when it resolves anywhere else."""
+    a 403 when it resolves anywhere else. The refusal names neither the resolved path nor the root (the server's
+    own paths: a client learns nothing of the file system from it)."""
     try:
         target = os.path.realpath(os.path.join(root, output_dir or ""))
-    except ValueError as e:  # e.g. an embedded NUL (the body's text check refuses those first)
-        raise ApiError(400, f"output_dir: {e}", "output_dir") from None
+    except ValueError:  # e.g. an embedded NUL (the body's text check refuses those first)
+        raise ApiError(400, "output_dir: not a valid path", "output_dir") from None
     if os.path.commonpath([root, target]) != root:
-        raise ApiError(403, f"output_dir: {output_dir!r} resolves to {target}, outside the profile directory {root} "
-                            f"(relative paths are taken under it; see --profile-dir)", "output_dir")
+        raise ApiError(403, "output_dir: resolves outside the profile directory (a relative path is taken under it; "
+                            "'..', another absolute path or a symbolic link out of it are refused; see "
+                            "--profile-dir)", "output_dir")
     return target
 
 

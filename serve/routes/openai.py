@@ -27,13 +27,14 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from serve import features, logprobs
+from serve.body import JSONBodyRoute
 from serve.errors import ApiError, bad_request, model_not_found
 from serve.routes.openai_stream import chat_stream, completion_stream, finish, matched, usage
 from serve.schemas import CHAT_FIELD_NAMES, OPENAI_FIELD_NAMES, ChatCompletionRequest, CompletionRequest, OpenAICommon
 from serve.state import Server, expand_choices, finished_results, get_server
 from serve.streaming import SSEResponse
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 logger = logging.getLogger("dllm_jax.serve")
 _ignored_logged: set[str] = set()
 

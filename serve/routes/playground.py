@@ -10,6 +10,7 @@ from pathlib import Path
 from fastapi import APIRouter
 from fastapi.responses import FileResponse
 
+from serve.body import JSONBodyRoute
 from serve.errors import ApiError
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
@@ -18,7 +19,7 @@ TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=u
 HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff",
            "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'"}
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 
 
 def _file(name: str) -> FileResponse:

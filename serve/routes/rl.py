@@ -3,7 +3,12 @@
 ``POST /pause_generation``, ``POST /continue_generation``, ``POST /release_memory_occupation``,
 ``POST /resume_memory_occupation`` (``{"tags": ["weights", "kv_cache"]}``, both when absent), ``POST /score``
 (``{"text" | "input_ids", "completions": [...], "estimator": "chain" | "elbo", "num_samples", "seed"}``: per
-completion ``{"tokens", "token_logprobs", "logprob", "num_tokens"}``).
+completion ``{"tokens", "token_logprobs", "logprob", "num_tokens"}``; a list of texts or of id lists is a batch,
+answered with one such list per prompt; errors name the body's fields, ``text`` where the engine says ``prompt``).
+
+Every endpoint here but ``/score`` and ``/get_weights_by_name`` changes the server's state: it takes requests from
+this server's own pages only (:data:`serve.limits.STATE_CHANGING`). A malformed tensor blob is a 400 naming the
+field and the header entry, quoting none of its bytes.
 
 Each calls the engine's method of the same name in a worker thread (an update waits for the engine's round
 boundary, or with ``flush_cache`` for running requests to finish: never on the event loop). A refused update (an
@@ -19,22 +24,24 @@ import re
 from fastapi import APIRouter, Depends
 from starlette.concurrency import run_in_threadpool
 
-from serve.errors import ApiError
+from serve.body import JSONBodyRoute
+from serve.errors import ApiError, bad_request
 from serve.schemas.rl import (GetWeightsByNameRequest, MemoryOccupationRequest, PauseGenerationRequest, ScoreRequest, UpdateWeightsFromDiskRequest,
                               UpdateWeightsFromTensorRequest, UpdateWeightVersionRequest)
 from serve.state import Server, get_server
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 _FIELD = re.compile(r"^[A-Za-z_][\w.\[\]-]*:\s")  # a message that starts by naming its field
 
 
-async def _call(field: str, fn, *args, **kwargs):
-    """Run an engine method off the event loop; its ``ValueError`` (or a refusal in its state) is a 400."""
+async def _call(field: str, fn, *args, renames: dict | None = None, **kwargs):
+    """Run an engine method off the event loop; its ``ValueError`` (or a refusal in its state) is a 400 naming the
+    field (``renames``: the engine's names for the body's fields, :func:`serve.errors.bad_request`)."""
     try:
         return await run_in_threadpool(fn, *args, **kwargs)
     except ValueError as e:
         message = str(e)
-        raise ApiError(400, message if _FIELD.match(message) else f"{field}: {message}") from None
+        raise bad_request(message if _FIELD.match(message) else f"{field}: {message}", renames) from None
     except RuntimeError as e:  # NotImplementedError included: a multi-process engine, a shut-down engine
         raise ApiError(400, f"{field}: {e}") from None
 
@@ -61,6 +68,8 @@ async def update_weights_from_tensor(body: UpdateWeightsFromTensorRequest, serve
                 named += list(decode_tensors(blob, field).items())
             except ValueError as e:
                 raise ApiError(400, str(e) if str(e).startswith(field) else f"{field}: {e}", field) from None
+            except Exception as e:  # whatever else a client's bytes can do to the decoder is the client's fault
+                raise ApiError(400, f"{field}: not a valid safetensors blob ({type(e).__name__})", field) from None
         return server.engine.update_weights_from_tensor(named, weight_version=body.weight_version,
                                                         flush_cache=body.flush_cache,
                                                         abort_all_requests=body.abort_all_requests)
@@ -68,7 +77,8 @@ async def update_weights_from_tensor(body: UpdateWeightsFromTensorRequest, serve
     return await _call("serialized_named_tensors", update)
 
 
-@router.api_route("/get_weights_by_name", methods=["GET", "POST"])
+@router.get("/get_weights_by_name")  # (two routes: one operation id each)
+@router.post("/get_weights_by_name")
 async def get_weights_by_name(body: GetWeightsByNameRequest, server: Server = Depends(get_server)):
     values = await _call("name", server.engine.get_weights_by_name, body.name, body.truncate_size)
     return values.tolist()
@@ -111,4 +121,5 @@ async def resume_memory_occupation(body: MemoryOccupationRequest, server: Server
 @router.post("/score")
 async def score(body: ScoreRequest, server: Server = Depends(get_server)):
     return await _call("completions", server.engine.score, body.text, body.completions, input_ids=body.input_ids,
-                       estimator=body.estimator, num_samples=body.num_samples, seed=body.seed)
+                       estimator=body.estimator, num_samples=body.num_samples, seed=body.seed,
+                       renames={"prompt": "text"})  # the engine's argument is the body's text

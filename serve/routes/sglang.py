@@ -17,12 +17,13 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from serve import features, logprobs
+from serve.body import JSONBodyRoute
 from serve.errors import ApiError
 from serve.schemas import GenerateRequest
 from serve.state import Batch, Server, expand_choices, finished_results, get_server
 from serve.streaming import SSE_DONE, SSEResponse, sse
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 
 LOGPROB_FIELDS = {"sampling_params.return_logprob": "return_logprob",
                   "sampling_params.top_logprobs_num": "top_logprobs_num"}
@@ -68,7 +69,8 @@ async def generate(body: GenerateRequest, request: Request, server: Server = Dep
     ids_list, params_list, fields = expand_choices(ids_list, params_list, fields, n)
     batch = server.start_batch(ids_list, params_list, fields, stream=body.stream, rids=rids,
                                provisional=body.stream_provisional,
-                               batch_field="sampling_params.n" if n > 1 else None)
+                               batch_field="sampling_params.n" if n > 1 else None,
+                               params_fields=[p for p in prefixes for _ in range(n)])
     text_in_logprobs = bool(body.return_text_in_logprobs)
     if body.stream:
         return SSEResponse(_stream(server, batch, batch_mode, body.stream_provisional, text_in_logprobs),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from serve.schemas.common import Body
 
@@ -45,9 +45,20 @@ class MemoryOccupationRequest(Body):
 
 
 class ScoreRequest(Body):
-    text: str | None = None  # the prompt, raw (no chat template applied)
-    input_ids: list[int] | None = None
-    completions: list[str | list[int]]
+    """One prompt (``text`` or ``input_ids``), or a batch (a list of texts, a list of id lists: every completion
+    scored after each prompt, one list of results per prompt)."""
+
+    text: str | list[str] | None = None  # the prompt, raw (no chat template applied)
+    input_ids: list[int] | list[list[int]] | None = None
+    completions: list[str | list[int]] = Field(min_length=1)
     estimator: str = "chain"
     num_samples: int = 8
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _one_prompt_field(self):
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("text: give exactly one of text or input_ids")
+        if isinstance(self.text, list) and not self.text:
+            raise ValueError("text: an empty batch")
+        return self
