@@ -70,6 +70,8 @@ def add_dp_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--worker-restarts", type=int, default=3, metavar="N",
                    help="restart a worker that exits on its own up to N times (the router takes it back once "
                         "healthy; default 3)")
+    g.add_argument("--worker-restart-delay", type=float, default=1.0, metavar="SECONDS",
+                   help="wait this long before restarting a worker that exited (default 1)")
     g.add_argument("--worker-cpus", choices=("split", "shared"), default="split",
                    help="on CPU: give each worker its own share of this process's cores (split, default) or let "
                         "them all use every core (shared)")

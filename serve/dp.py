@@ -8,8 +8,8 @@ router on ``--host`` / ``--router-port`` (default ``--port``) with ``--policy`` 
 worker URLs. The data-parallel logic is the router's (policies, health checks, retries, circuit breakers); we write
 no router of our own (DESIGN.md, "Constraints and scale-out").
 
-Then it supervises: a worker that exits on its own is restarted on the same port and devices (``--worker-restarts``
-times; the router's health check takes it back), a router that exits stops everything. SIGTERM / SIGINT: every
+Then it supervises: a worker that exits on its own is restarted on the same port and devices after
+``--worker-restart-delay`` seconds (``--worker-restarts`` times; the router's health check takes it back), a router that exits stops everything. SIGTERM / SIGINT: every
 child gets SIGTERM at once (the workers drain for ``--shutdown-timeout``, the router waits for what it forwards),
 then SIGKILL whatever is left after that; a second signal kills at once. Every child's output is copied to stderr,
 each line prefixed with ``[worker i]`` or ``[router]``. The children run in their own sessions (a terminal's
@@ -44,7 +44,7 @@ log = logging.getLogger("dllm_jax.serve")
 
 # the launcher's own flags: not passed to the workers
 DP_DESTS = {"dp", "router_policy", "router_port", "worker_port_start", "router_args", "worker_restarts",
-            "worker_cpus", "host", "port", "api_key"}  # (the key goes to the workers in their environment)
+            "worker_restart_delay", "worker_cpus", "host", "port", "api_key"}  # (the key goes to the workers in their environment)
 POLL_S = 0.25
 WORKER_START_TIMEOUT_S = 900.0  # a first start compiles every shape bucket
 
@@ -140,6 +140,7 @@ class Child:
         self.proc: subprocess.Popen | None = None
         self.stopping = False
         self.restarts = 0
+        self.exited_at: float | None = None  # when the supervisor saw it exit
 
     def start(self) -> "Child":
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -265,16 +266,22 @@ class Replicas:
                 if w.alive() or w.stopping:
                     continue
                 status = w.proc.poll()
+                if w.exited_at is None:
+                    w.exited_at = time.monotonic()
+                    if w.restarts < self.args.worker_restarts:
+                        log.warning("worker %d exited (status %s): restarting it in %g s", i, status,
+                                    self.args.worker_restart_delay)
                 if w.restarts >= self.args.worker_restarts:
                     log.error("worker %d exited (status %s); no restarts left: the router routes around it", i,
                               status)
                     w.stopping = True
                     continue
+                if time.monotonic() - w.exited_at < self.args.worker_restart_delay:
+                    continue
                 w.restarts += 1
-                log.warning("worker %d exited (status %s): restarting it (%d/%d)", i, status, w.restarts,
-                            self.args.worker_restarts)
+                w.exited_at = None
                 w.start()
-                log.info("restarted %s", self.describe(i))
+                log.info("restarted %s (%d/%d)", self.describe(i), w.restarts, self.args.worker_restarts)
         return 0
 
     def shutdown(self) -> None:
