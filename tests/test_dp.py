@@ -271,7 +271,33 @@ def test_cache_aware_sends_repeats_to_their_prefix(service):
             assert all(c > 0 for c in cached[1:]), cached
 
 
-# distinct first letters: cache_aware finds no shared prefix and spreads them by its trees' sizes
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
+               or line.startswith(name + "{"))
+
+
+def test_client_disconnect_passes_through_the_router(service):
+    """A client that goes away from the router mid-request aborts it on the worker (the router drops its own
+    connection to the worker): a stream closed after its first event, and a non-streamed request whose client
+    times out. Each worker counts the engine requests it aborted so (``dllm_client_disconnects_total``)."""
+    name = "dllm_client_disconnects_total"
+    before = sum(_metric(w, name) for w in service.workers)
+    path, body = _long(0)
+    with httpx.Client(base_url=service.base, timeout=120) as client:
+        with client.stream("POST", path, json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break  # close the connection after the first event
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(service.base + path, json=_long(1)[1], timeout=1.0)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and sum(_metric(w, name) for w in service.workers) < before + 2:
+        time.sleep(0.2)
+    assert sum(_metric(w, name) for w in service.workers) == before + 2
+
+
+# distinct first letters: cache_aware finds no shared prefix and sends each to the least loaded worker
 WORDS = "apple bird cat dog egg fish gold hat ice king lake moon night oak pen queen".split()
 
 
@@ -282,8 +308,7 @@ def _long(i: int) -> tuple[str, dict]:
 
 
 def _fresh(i: int) -> str:
-    """A long prompt no worker has seen (~150 one-token words): cache_aware sends it to the worker whose tree is
-    smallest, and it grows that tree by its length, so a few of them reach every worker."""
+    """A long prompt no worker has seen (~150 one-token words)."""
     import random
 
     from dllm_jax.train.tasks import WORDS as VOCAB
@@ -361,13 +386,17 @@ def test_killed_worker(service):
     service.wait_for(r"restarted worker 0 \(pid \d+\)", 60, after)
     _wait_router_sees(service, service.workers[0], healthy=True, timeout=600)
     before = _requests_total(service.workers[0])
-    with httpx.Client(base_url=service.base, timeout=120) as client:
-        for i in range(40):  # new, long prompts until one reaches worker 0
-            r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": _fresh(i)}],
-                                                          "max_tokens": 8})
-            assert r.status_code == 200, r.text
-            if _requests_total(service.workers[0]) > before:
-                break
+
+    async def fresh(round_):  # 8 at a time: cache_aware sends a prompt it has no prefix of to the least loaded
+        async with httpx.AsyncClient(base_url=service.base, timeout=120) as client:
+            bodies = [{"messages": [{"role": "user", "content": _fresh(8 * round_ + i)}], "max_tokens": 64}
+                      for i in range(8)]
+            return await asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies))
+
+    for round_ in range(5):
+        assert all(r.status_code == 200 for r in asyncio.run(fresh(round_)))
+        if _requests_total(service.workers[0]) > before:
+            break
     assert _requests_total(service.workers[0]) > before, "the restarted worker got no request"
 
 
@@ -382,3 +411,4 @@ def test_stopped_worker_ends_its_streams_with_an_error_event(service):
         assert r["done"] and r["cut"] is None, r
         error = r["events"][-1]["error"]
         assert "server shutting down" in error["message"], error
+
