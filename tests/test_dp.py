@@ -6,7 +6,8 @@ spread over both workers; repeated prompts land on the worker that holds their p
 a worker killed mid-run (SIGKILL): its in-flight streams end in an error (the router cuts them; its non-streamed
 requests are retried on the other worker), every request after the router noticed is answered by the other, and
 the launcher's restart is taken back by the router; a worker stopped with SIGTERM mid-run: its streams end with an
-error event and ``[DONE]``; SIGTERM to the launcher stops every process. The workers decode one token per forward
+error event and ``[DONE]``; a client's disconnect aborts its request on the worker; ``--api-key`` guards the
+router and the workers; SIGTERM to the launcher stops every process. The workers decode one token per forward
 (threshold 1.0), so that long requests are still running when a worker is killed.
 
 Slow (two workers compile, a worker restarts): ``pytest -m slow tests/test_dp.py``.
@@ -37,6 +38,8 @@ CONTEXT = 512
 SHAPE_BUCKETS = {"rows": [8], "pages": [CONTEXT // 32], "prefill_rows": [1], "prefill_blocks": [2]}
 ROUTER_ARGS = ("--health-check-interval-secs 1 --health-failure-threshold 1 --health-success-threshold 1 "
                "--retry-initial-backoff-ms 200")
+API_KEY = "dp-test-key"  # the launcher gives it to the router and the workers; the router sends it on
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 LONG = 256  # tokens: seconds at one token per forward
 RESTART_DELAY = 30  # seconds: the launcher restarts a dead worker after this (the window the other one serves alone)
 
@@ -104,7 +107,7 @@ class Launcher:
                 "--max-running-requests", "8",
                 "--context-length", str(CONTEXT), "--max-prefill-tokens", "64", "--shape-buckets",
                 json.dumps(SHAPE_BUCKETS), "--no-access-log", "--shutdown-timeout", "0",
-                "--algorithm-config", json.dumps({"threshold": 1.0})]
+                "--algorithm-config", json.dumps({"threshold": 1.0}), "--api-key", API_KEY]
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(args, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
 
@@ -158,7 +161,7 @@ def _zombie(pid: int) -> bool:
 
 
 def _requests_total(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = httpx.get(url + "/metrics", timeout=10, headers=AUTH).text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("dllm_requests_total"))
 
 
@@ -227,7 +230,7 @@ def test_mixed_requests_through_the_router(service):
 
     async def run():
         sem = asyncio.Semaphore(8)
-        async with httpx.AsyncClient(base_url=service.base, timeout=300) as client:
+        async with httpx.AsyncClient(base_url=service.base, timeout=300, headers=AUTH) as client:
             async def one(i):
                 prompt, answer = pairs[i % len(pairs)]
                 kind, path, body, stream, n = _mixed(i, prompt)
@@ -250,13 +253,16 @@ def test_mixed_requests_through_the_router(service):
                                                                   for s in (False, True)}
     served = [_requests_total(w) - b for w, b in zip(service.workers, before)]
     assert all(s > 0 for s in served) and sum(served) >= 120, served  # 100 requests, 20 of them n = 2
+    # --api-key guards the router and the workers (the router sent the key on with every request above)
+    for base in (service.base, *service.workers):
+        assert httpx.post(base + "/generate", json={"text": "red"}, timeout=30).status_code == 401
 
 
 def test_cache_aware_sends_repeats_to_their_prefix(service):
     """Four longer prompts (a two-turn chat, over a block of 32), each sent four times: every repeat finds its prompt
     cached, so it went to the worker that answered it first."""
     pairs = prompts()
-    with httpx.Client(base_url=service.base, timeout=120) as client:
+    with httpx.Client(base_url=service.base, timeout=120, headers=AUTH) as client:
         for k in range(4):
             (p1, a1), (p2, _) = pairs[k], pairs[k + 10]
             messages = [{"role": "user", "content": p1}, {"role": "assistant", "content": a1},
@@ -272,7 +278,7 @@ def test_cache_aware_sends_repeats_to_their_prefix(service):
 
 
 def _metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = httpx.get(url + "/metrics", timeout=10, headers=AUTH).text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
                or line.startswith(name + "{"))
 
@@ -284,13 +290,13 @@ def test_client_disconnect_passes_through_the_router(service):
     name = "dllm_client_disconnects_total"
     before = sum(_metric(w, name) for w in service.workers)
     path, body = _long(0)
-    with httpx.Client(base_url=service.base, timeout=120) as client:
+    with httpx.Client(base_url=service.base, timeout=120, headers=AUTH) as client:
         with client.stream("POST", path, json={**body, "stream": True}) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     break  # close the connection after the first event
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(service.base + path, json=_long(1)[1], timeout=1.0)
+        httpx.post(service.base + path, json=_long(1)[1], timeout=1.0, headers=AUTH)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and sum(_metric(w, name) for w in service.workers) < before + 2:
         time.sleep(0.2)
@@ -320,7 +326,7 @@ def _fresh(i: int) -> str:
 async def _in_flight_then(action, service, streams: int = 12, plain: int = 4):
     """``streams`` long streams and ``plain`` long non-streamed requests; once every stream has its first event,
     ``action()``; then their outcomes."""
-    async with httpx.AsyncClient(base_url=service.base, timeout=300) as client:
+    async with httpx.AsyncClient(base_url=service.base, timeout=300, headers=AUTH) as client:
         started = [asyncio.Event() for _ in range(streams)]
         tasks = [asyncio.ensure_future(_stream(client, *_long(i), started[i])) for i in range(streams)]
         posts = [asyncio.ensure_future(client.post(_long(streams + i)[0], json=_long(streams + i)[1]))
@@ -340,7 +346,7 @@ async def _in_flight_then(action, service, streams: int = 12, plain: int = 4):
 def _wait_router_sees(service, worker: str, healthy: bool, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        workers = httpx.get(service.base + "/workers", timeout=10).json()["workers"]
+        workers = httpx.get(service.base + "/workers", timeout=10, headers=AUTH).json()["workers"]
         states = {w["url"]: w["is_healthy"] for w in workers}
         if states.get(worker) is healthy:
             return
@@ -374,7 +380,7 @@ def test_killed_worker(service):
     pairs = prompts()
 
     async def later():
-        async with httpx.AsyncClient(base_url=service.base, timeout=120) as client:
+        async with httpx.AsyncClient(base_url=service.base, timeout=120, headers=AUTH) as client:
             bodies = [{"messages": [{"role": "user", "content": prompt}]} for prompt, _ in pairs[:20]]
             return await asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies))
 
@@ -388,7 +394,7 @@ def test_killed_worker(service):
     before = _requests_total(service.workers[0])
 
     async def fresh(round_):  # 8 at a time: cache_aware sends a prompt it has no prefix of to the least loaded
-        async with httpx.AsyncClient(base_url=service.base, timeout=120) as client:
+        async with httpx.AsyncClient(base_url=service.base, timeout=120, headers=AUTH) as client:
             bodies = [{"messages": [{"role": "user", "content": _fresh(8 * round_ + i)}], "max_tokens": 64}
                       for i in range(8)]
             return await asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies))
