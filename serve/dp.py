@@ -9,11 +9,12 @@ worker URLs. The data-parallel logic is the router's (policies, health checks, r
 no router of our own (DESIGN.md, "Constraints and scale-out").
 
 Then it supervises: a worker that exits on its own is restarted on the same port and devices after
-``--worker-restart-delay`` seconds (``--worker-restarts`` times; the router's health check takes it back), a router that exits stops everything. SIGTERM / SIGINT: every
-child gets SIGTERM at once (the workers drain for ``--shutdown-timeout``, the router waits for what it forwards),
-then SIGKILL whatever is left after that; a second signal kills at once. Every child's output is copied to stderr,
-each line prefixed with ``[worker i]`` or ``[router]``. The children run in their own sessions (a terminal's
-Ctrl-C reaches only the launcher, which stops them in order) and get SIGTERM if the launcher dies.
+``--worker-restart-delay`` seconds (``--worker-restarts`` times; the router's health check takes it back), a router
+that exits stops everything. SIGTERM / SIGINT: every child gets SIGTERM at once (the workers drain for
+``--shutdown-timeout``, the router waits for what it forwards), then SIGKILL whatever is left after that; a second
+signal kills at once. Every child's output is copied to stderr, each line prefixed with ``[worker i]`` or
+``[router]``. The children run in their own sessions (a terminal's Ctrl-C reaches only the launcher, which stops
+them in order) and get SIGTERM if the launcher dies.
 
 The launcher's defaults for the router (each overridable in ``--router-args``): health checks every 2 s
 (SGLang's default is 60 s: a dead worker would keep its share of requests for minutes), its load monitor every
@@ -42,9 +43,10 @@ import urllib.request
 
 log = logging.getLogger("dllm_jax.serve")
 
-# the launcher's own flags: not passed to the workers
+# the launcher's own flags: not passed to the workers (the API key goes to them in their environment, not on a
+# command line that any local user can read)
 DP_DESTS = {"dp", "router_policy", "router_port", "worker_port_start", "router_args", "worker_restarts",
-            "worker_restart_delay", "worker_cpus", "host", "port", "api_key"}  # (the key goes to the workers in their environment)
+            "worker_restart_delay", "worker_cpus", "host", "port", "api_key"}
 POLL_S = 0.25
 WORKER_START_TIMEOUT_S = 900.0  # a first start compiles every shape bucket
 

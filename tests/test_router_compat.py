@@ -3,7 +3,8 @@
 right answers; every router field of :mod:`serve.schemas.router_fields` accepted (ignored ones whatever their
 value, neutral-only ones at their neutral value, else a 400 naming them); ``sampling_seed`` is the seed;
 ``model: "unknown"`` is no model; the registration and load endpoints in the router's format; ``/health_generate``;
-a ``rid`` on ``/v1`` reaches ``/abort_request``; each ignored field logged once. The real router in front of real
+a ``rid`` on ``/v1`` reaches ``/abort_request``; each ignored field logged once; the ``--dp`` launcher's pieces
+(worker flags, device split, router command). The real router in front of real
 workers: tests/test_dp.py (slow)."""
 
 from __future__ import annotations
@@ -182,3 +183,61 @@ def test_ignored_fields_are_logged_once(client, caplog):
             assert client.post("/generate", json=body).status_code == 200
     lines = [r.getMessage() for r in caplog.records if "'bootstrap_room'" in r.getMessage()]
     assert len(lines) == 1 and "accepted and ignored" in lines[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# The --dp launcher's pieces (serve/dp.py), without starting anything
+# ----------------------------------------------------------------------------------------------
+def test_workers_get_the_users_flags_and_not_the_launchers():
+    from serve.args import build_parser
+    from serve.dp import worker_argv
+
+    p = build_parser()
+    argv = ["--dp", "2", "--router-policy", "round_robin", "--router-args", "--health-check-interval-secs 1",
+            "--port", "31000", "--host", "0.0.0.0", "--api-key", "k", "--no-warmup", "--disable-prefix-cache",
+            "--max-running-requests", "8", "--tp", "2", "--served-model-name=-odd,name",
+            "--shape-buckets", '{"rows": [8]}', "--shutdown-timeout", "0", "--log-level", "warning"]
+    args = p.parse_args(argv)
+    flags = worker_argv(args, p)
+    assert not any(f.startswith(("--dp", "--router", "--port", "--host", "--api-key", "--worker")) for f in flags)
+    again = p.parse_args(flags)
+    for dest in ("warmup", "enable_prefix_cache", "max_running_requests", "tensor_parallel_size",
+                 "served_model_name", "shape_buckets", "shutdown_timeout", "log_level"):
+        assert getattr(again, dest) == getattr(args, dest), dest
+    assert worker_argv(p.parse_args([]), p) == []  # defaults are not repeated
+
+
+def test_devices_are_split_between_workers():
+    from serve.dp import device_groups
+
+    assert device_groups(2, ["0", "1", "2", "3"], [0, 1], "split", None) == [{"gpus": ["0", "1"]},
+                                                                              {"gpus": ["2", "3"]}]
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        device_groups(2, ["0", "1", "2", "3"], [0, 1], "split", 4)
+    with pytest.raises(ValueError, match="GPU"):
+        device_groups(3, ["0", "1"], [0, 1], "split", None)
+    assert device_groups(2, [], [0, 1, 2, 3], "split", None) == [{"cpus": [0, 1]}, {"cpus": [2, 3]}]
+    assert device_groups(2, [], [0, 1], "shared", None) == [{"cpus": [0, 1]}, {"cpus": [0, 1]}]
+    assert device_groups(3, [], [0, 1], "split", None) == [{"cpus": [0, 1]}] * 3  # fewer cores than workers
+
+
+def test_router_command_and_checks():
+    from serve.args import build_parser
+    from serve.dp import Replicas, check, router_command
+
+    p = build_parser()
+    args = p.parse_args(["--dp", "2", "--router-policy", "power_of_two", "--port", "31000", "--api-key", "k",
+                         "--router-args", "--health-check-interval-secs 7"])
+    args.router_port = 31000
+    cmd = router_command(args, ["http://127.0.0.1:31001", "http://127.0.0.1:31002"])
+    assert cmd[1:3] == ["-m", "sglang_router.launch_router"]
+    assert cmd[cmd.index("--policy") + 1] == "power_of_two" and cmd[cmd.index("--api-key") + 1] == "k"
+    assert cmd[cmd.index("--worker-urls") + 1:cmd.index("--worker-urls") + 3] == ["http://127.0.0.1:31001",
+                                                                                  "http://127.0.0.1:31002"]
+    assert cmd[-2:] == ["--health-check-interval-secs", "7"]  # the user's flags last: they win
+    for bad, match in ((["--dp", "0"], "dp"), (["--dp", "2", "--num-processes", "2"], "multi-process"),
+                       (["--dp", "2", "--worker-restarts", "-1"], "worker_restarts")):
+        with pytest.raises(ValueError, match=match):
+            check(p.parse_args(bad))
+    with pytest.raises(ValueError, match="router_port"):
+        Replicas(p.parse_args(["--dp", "2", "--port", "31000", "--worker-port-start", "30999"]))
