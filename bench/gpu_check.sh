@@ -24,6 +24,9 @@
 #    this copy has .git (REV: $BEFORE_REV, else HEAD when the tree has uncommitted changes, else HEAD~1), else
 #    bench_out/before_tree.tgz (`--pack-before` writes it here; carry it to the GPU machine), else $BEFORE_TREE (a
 #    directory or .tgz);
+# 7. data parallel, on a machine with 2+ GPUs and sglang-router installed (else skipped at once, saying why):
+#    python -m bench.dp --workers <GPUs>: one replica on one GPU vs one per GPU behind SGLang's router (`dllm-jax
+#    serve --dp N`), and the router's added latency per request (issue 48);
 # then a summary: the before / after roofline table and every target.
 # GPU_CHECK_EXTRA=1 adds the older stages after these (the DiffusionGemma renoise step, the README demo, the
 # efficiency runs); they do not fit in the 8 minutes with the rest.
@@ -161,6 +164,22 @@ else
   SKIPPED+=("roofline (previous commit): no previous tree")
 fi
 
+# 7. data parallel: one replica vs one per GPU behind SGLang's router
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+NGPU=${DP_GPUS:-${NGPU:-0}}
+if (( NGPU < 2 )); then
+  echo "== data parallel: SKIPPED (${NGPU} GPU(s): it needs 2 or more) =="
+  SKIPPED+=("data parallel: ${NGPU} GPU(s), needs 2+")
+elif ! "$PY" -c "import sglang_router" 2>/dev/null; then
+  echo "== data parallel: SKIPPED (no sglang_router in $PY: pip install 'dllm-jax[router]', or carry its wheel) =="
+  SKIPPED+=("data parallel: no sglang_router")
+else
+  if [[ -n "$SMOKE" ]]; then DP_ARGS=(--smoke); else
+    DP_ARGS=(--requests "${DP_REQUESTS:-2000}" --concurrency "${DP_CONCURRENCY:-128}" --max-running-requests 64); fi
+  run_stage "data parallel (${NGPU} GPUs)" "${DP_TIMEOUT_S:-240}" 120 "$DEST/dp.log" \
+    "$PY" -m bench.dp --workers "$NGPU" "${DP_ARGS[@]}" --out "$DEST/dp.json"
+fi
+
 if [[ "${GPU_CHECK_EXTRA:-0}" == "1" ]]; then
   run_stage "DiffusionGemma renoise step" "${RENOISE_TIMEOUT_S:-120}" 60 "$DEST/renoise_gpu.log" \
     "$PY" -m bench.renoise_gpu $SMOKE --out "$DEST/renoise_gpu.json"
@@ -286,6 +305,11 @@ if sbs and sbs.get("target"):
     v = "-" if t["value"] is None else f"{t['value']:.2f}x"
     res = "MET" if t["met"] else ("not met" if t["met"] is not None else "not judged")
     print(f"TARGET {t['name']}: {v} (>= {t['target']}x) {res}")
+dp = load("dp.json") if os.path.exists(os.path.join(dest, "dp.json")) else None
+if dp:
+    from bench.dp import report
+
+    print(report(dp))
 for s in skipped:
     print(f"SKIPPED: {s}")
 EOF

@@ -8,7 +8,8 @@ The server by concern (imports point down this list, and only ``serve`` imports 
 
     app              create_app: lifespan, error handlers, the routers, the gate
     routes/          sglang (/generate), openai (/v1/...; frames in openai_stream), admin (info, metrics,
-                     cache, profiler, aborts), rl (weight updates, pause / continue), playground (the page at /)
+                     cache, profiler, aborts), worker (what SGLang's router polls), rl (weight updates, pause /
+                     continue), playground (the page at /)
     streaming        SSE response and frames
     limits           API key, body size, Host / Origin (state-changing endpoints: this server's own origin only),
                      response accounting (one ASGI middleware)
@@ -48,7 +49,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serve.errors import ApiError, error_from_validation
 from serve import openapi
 from serve.limits import Gate
-from serve.routes import admin, openai, playground, rl, sglang
+from serve.routes import admin, openai, playground, rl, sglang, worker
 from serve.settings import ServerSettings
 from serve.state import SHUTDOWN_MESSAGE, Server
 
@@ -155,7 +156,7 @@ def create_app(engine=None, settings: ServerSettings | None = None, *,
         # the exception's text may quote server paths or data: the log has it, the client gets its kind
         return ApiError(500, f"internal error ({type(exc).__name__}); the server's log has the details").response()
 
-    routers = [m.router for m in (admin, sglang, openai, rl) + ((playground,) if settings.playground else ())]
+    routers = [m.router for m in (admin, worker, sglang, openai, rl) + ((playground,) if settings.playground else ())]
     for router in routers:
         app.include_router(router)
     # the routers' own paths (newer FastAPI includes routers lazily: app.routes does not list their routes)

@@ -47,6 +47,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup-variants", default=None, metavar="LIST",
                    help="also compile these step variants while starting, so that no first such request waits on "
                         "a compile: a comma list of sampling, logprobs, penalties, or all (default: none)")
+    add_dp_arguments(p)
+
+
+ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
+
+
+def add_dp_arguments(p: argparse.ArgumentParser) -> None:
+    """``--dp N``: N replicas behind SGLang's router (:mod:`serve.dp`)."""
+    g = p.add_argument_group("data parallel (replicas behind SGLang's router, `pip install 'dllm-jax[router]'`)")
+    g.add_argument("--dp", type=int, default=None, metavar="N",
+                   help="start N worker processes (each on its own GPUs, split by CUDA_VISIBLE_DEVICES, or its own "
+                        "CPU cores) on ports --worker-port-start.., and SGLang's router in front on --router-port")
+    g.add_argument("--router-policy", choices=ROUTER_POLICIES, default="cache_aware",
+                   help="the router's policy (default cache_aware: a prompt goes to the worker holding its prefix)")
+    g.add_argument("--router-port", type=int, default=None, help="the router's port (default: --port)")
+    g.add_argument("--worker-port-start", type=int, default=None, metavar="PORT",
+                   help="worker i listens on 127.0.0.1:PORT+i (default: the router's port + 1)")
+    g.add_argument("--router-args", default="", metavar="'FLAGS'",
+                   help="more flags for sglang-router, as one string (e.g. '--health-check-interval-secs 1'); they "
+                        "come last, so they override the launcher's defaults")
+    g.add_argument("--worker-restarts", type=int, default=3, metavar="N",
+                   help="restart a worker that exits on its own up to N times (the router takes it back once "
+                        "healthy; default 3)")
+    g.add_argument("--worker-restart-delay", type=float, default=1.0, metavar="SECONDS",
+                   help="wait this long before restarting a worker that exited (default 1)")
+    g.add_argument("--worker-cpus", choices=("split", "shared"), default="split",
+                   help="on CPU: give each worker its own share of this process's cores (split, default) or let "
+                        "them all use every core (shared)")
 
 
 def settings_from_args(args: argparse.Namespace):

@@ -52,6 +52,10 @@ def main(args: argparse.Namespace) -> int:
 
     Several processes: the leader compiles before it binds, in step with the followers (they replay its warm-up
     calls, and must not wait on a leader that serves nothing yet)."""
+    if getattr(args, "dp", None) is not None:  # replicas behind SGLang's router: this process only launches them
+        from serve.dp import main as launch_replicas
+
+        return launch_replicas(args)
     import uvicorn
 
     from dllm_jax import distributed

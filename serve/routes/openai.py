@@ -31,6 +31,7 @@ from serve.body import JSONBodyRoute
 from serve.errors import ApiError, bad_request, model_not_found
 from serve.routes.openai_stream import chat_stream, completion_stream, finish, matched, usage
 from serve.schemas import CHAT_FIELD_NAMES, OPENAI_FIELD_NAMES, ChatCompletionRequest, CompletionRequest, OpenAICommon
+from serve.schemas.router_fields import UNKNOWN_MODEL
 from serve.state import Server, expand_choices, finished_results, get_server
 from serve.streaming import SSEResponse
 
@@ -40,14 +41,24 @@ _ignored_logged: set[str] = set()
 
 
 def _check_common(body: OpenAICommon, server: Server) -> None:
-    """The model, and the accepted-but-ignored fields (logged once per field per process)."""
-    if body.model is not None and body.model not in server.model_names:
+    """The model (``"unknown"``: SGLang's router's value for none), and the accepted-but-ignored fields (logged once
+    per field per process)."""
+    if body.model is not None and body.model != UNKNOWN_MODEL and body.model not in server.model_names:
         raise model_not_found(body.model, server.model_names)
     for name in body.ignored_fields():
         if name not in _ignored_logged:
             _ignored_logged.add(name)
             logger.info("OpenAI field %r accepted and ignored (it does not change an answer here; logged once)",
                         name)
+
+
+def _rids(body: OpenAICommon, count: int) -> list[str] | None:
+    """The engine request ids a body's ``rid`` names (SGLang's extension, forwarded by its router), so that
+    ``/abort_request`` reaches them."""
+    try:
+        return body.engine_rids(count)
+    except ValueError as e:
+        raise ApiError(400, str(e), "rid") from None
 
 
 @router.post("/v1/completions")
@@ -76,6 +87,7 @@ async def completions(body: CompletionRequest, request: Request, server: Server 
     ids_list, params_list, fields = expand_choices(ids_list, [params] * len(ids_list), fields, n)
     echoes = [e for e in echoes for _ in range(n)]
     batch = server.start_batch(ids_list, params_list, fields, stream=body.stream, renames=OPENAI_FIELD_NAMES,
+                               rids=_rids(body, len(ids_list)),
                                provisional=body.stream_provisional, batch_field="n" if n > 1 else None)
     cid = f"cmpl-{uuid.uuid4().hex}"
     if body.stream:
@@ -138,6 +150,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, server
         params["max_new_tokens"] = max(1, eng.context_length - len(ids))
     ids_list, params_list, fields = expand_choices([ids], [params], ["messages"], n)
     batch = server.start_batch(ids_list, params_list, fields, stream=body.stream, renames=renames,
+                               rids=_rids(body, len(ids_list)),
                                provisional=body.stream_provisional, batch_field="n" if n > 1 else None)
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:

@@ -18,8 +18,9 @@ from fastapi.responses import Response
 
 from serve import features, logprobs
 from serve.body import JSONBodyRoute
-from serve.errors import ApiError
+from serve.errors import ApiError, model_not_found
 from serve.schemas import GenerateRequest
+from serve.schemas.router_fields import UNKNOWN_MODEL, log_ignored, present
 from serve.state import Batch, Server, expand_choices, finished_results, get_server
 from serve.streaming import SSE_DONE, SSEResponse, sse
 
@@ -31,6 +32,7 @@ LOGPROB_FIELDS = {"sampling_params.return_logprob": "return_logprob",
 
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request, server: Server = Depends(get_server)):
+    _router_fields(body, server)
     n = body.n
     batch_mode = body.is_batch or n > 1
     prompts = len(body.text if body.text is not None else body.input_ids) if body.is_batch else 1
@@ -84,6 +86,18 @@ async def generate(body: GenerateRequest, request: Request, server: Server = Dep
         tok = server.engine.tokenizer
         results = [{**r, "meta_info": logprobs.with_text(r["meta_info"], tok)} for r in results]
     return results if batch_mode else results[0]
+
+
+def _router_fields(body: GenerateRequest, server: Server) -> None:
+    """SGLang's router's fields: ``model`` null, ``"unknown"`` or a served name (else 404, as on ``/v1``); the
+    others accepted and dropped (:mod:`serve.schemas.router_fields`), each logged once."""
+    if body.model is not None and body.model != UNKNOWN_MODEL and body.model not in server.model_names:
+        raise model_not_found(body.model, server.model_names)
+    names = present(body, "generate")
+    params = body.sampling_params
+    for i, p in enumerate(params if isinstance(params, list) else [params] if params is not None else []):
+        names += present(p, "sampling", f"sampling_params[{i}]." if isinstance(params, list) else "sampling_params.")
+    log_ignored(names)
 
 
 async def _prompt_logprobs(server: Server, ids_list: list[list[int]], fields: list[str], start: int,

@@ -19,12 +19,13 @@ token's null), then the generated tokens' (lm-eval's loglikelihood and multiple-
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from serve.schemas.common import (MAX_N, MAX_NEW_TOKENS_LIMIT, MAX_TOP_LOGPROBS, Body, PenaltyFields, StopFields,
                                   _Strict, check_token_list, first_error, neutral_only)
+from serve.schemas.router_fields import ChatRouterFields, CompletionRouterFields, present
 
 # Accepted for compatibility, no effect here (the routes log each once per process)
 IGNORED_FIELDS = ("metadata", "user", "store", "service_tier", "parallel_tool_calls")
@@ -64,9 +65,12 @@ class OpenAICommon(StopFields, PenaltyFields, Body):
             raise ValueError("stream_provisional: needs stream: true")
         return self
 
+    router_kind: ClassVar[str] = ""  # its SGLang router fields (serve.schemas.router_fields): chat, completion
+
     def ignored_fields(self) -> list[str]:
-        """The ignored fields this request set (to anything but null)."""
-        return [name for name in IGNORED_FIELDS if getattr(self, name, None) is not None]
+        """The ignored fields this request set (to anything but null), SGLang's router's included."""
+        return [name for name in IGNORED_FIELDS if getattr(self, name, None) is not None] + \
+            (present(self, self.router_kind) if self.router_kind else [])
 
     @property
     def include_usage(self) -> bool:
@@ -98,6 +102,8 @@ class OpenAICommon(StopFields, PenaltyFields, Body):
                 out[name] = value
         if self.min_tokens is not None:
             out["min_new_tokens"] = self.min_tokens
+        if out.get("seed") is None and getattr(self, "sampling_seed", None) is not None:
+            out["seed"] = self.sampling_seed  # SGLang's router's name of the seed
         ret, top = self.logprob_request()
         if ret is not None:
             out["return_logprob"] = ret
@@ -115,7 +121,8 @@ OPENAI_FIELD_NAMES = {"sampling_params.max_new_tokens": "max_tokens", "sampling_
 CHAT_FIELD_NAMES = {**OPENAI_FIELD_NAMES, "sampling_params.top_logprobs_num": "top_logprobs"}
 
 
-class CompletionRequest(OpenAICommon):
+class CompletionRequest(CompletionRouterFields, OpenAICommon):
+    router_kind: ClassVar[str] = "completion"
     prompt_text = (("prompt",), ("prompt", int))
 
     prompt: Any
@@ -204,7 +211,8 @@ class ChatMessage(_Strict):
         raise ValueError("content: must be a string or a list of text parts")
 
 
-class ChatCompletionRequest(OpenAICommon):
+class ChatCompletionRequest(ChatRouterFields, OpenAICommon):
+    router_kind: ClassVar[str] = "chat"
     prompt_text = (("messages", int, "content"), ("messages", int, "content", int, "text"))
 
     messages: list[ChatMessage] = Field(min_length=1)

@@ -9,11 +9,13 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from serve.schemas.common import (MAX_N, MAX_NEW_TOKENS_LIMIT, MAX_TOP_LOGPROBS, Body, PenaltyFields, StopFields,
                                   check_token_list, clean_msg, format_loc)
+from serve.schemas.router_fields import GenerateRouterFields, SamplingRouterFields, router_field_names
 
 
-class SamplingParamsBody(StopFields, PenaltyFields):
+class SamplingParamsBody(SamplingRouterFields, StopFields, PenaltyFields):
     """SGLang's sampling parameters. ``n`` is SGLang's parallel sampling (n answers per prompt); the penalty
-    fields pass to the engine once it implements them (:mod:`serve.features`)."""
+    fields pass to the engine once it implements them (:mod:`serve.features`). ``sampling_seed`` is ``seed``
+    (SGLang's router's name); the router's other fields: :mod:`serve.schemas.router_fields`."""
 
     max_new_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS_LIMIT)
     temperature: float | None = Field(None, ge=0)
@@ -34,7 +36,10 @@ class SamplingParamsBody(StopFields, PenaltyFields):
 
     def engine_dict(self) -> dict:
         """The engine's sampling params (``n`` is the server's: it makes n requests)."""
-        return self.model_dump(exclude_none=True, exclude={"n"})
+        out = self.model_dump(exclude_none=True, exclude={"n", "sampling_seed", *router_field_names("sampling")})
+        if self.sampling_seed is not None:
+            out["seed"] = self.sampling_seed
+        return out
 
 
 def _sampling_params(v: Any, field: str = "sampling_params"):
@@ -69,10 +74,10 @@ def _one_sampling_params(v: Any, field: str) -> SamplingParamsBody:
         raise ValueError(f"{field}{key}: {msg}") from None
 
 
-class GenerateRequest(Body):
+class GenerateRequest(GenerateRouterFields, Body):
     """SGLang's ``GenerateReqInput``. ``stream_provisional`` (this server's extension) adds the block being
     denoised to the stream after every step. Logprob fields are checked here and served once the engine computes
-    log probabilities (:mod:`serve.features`)."""
+    log probabilities (:mod:`serve.features`). The fields SGLang's router adds: :mod:`.router_fields`."""
 
     prompt_text = (("text",), ("text", int))
 
