@@ -220,7 +220,15 @@ class Canvases:
             adjust = renoise_tables.empty_tables(R, self.runner.adjust_width(tables[FULL_KIND].shape[1]))
             for req in reqs:
                 if req.params.penalized:
-                    renoise_tables.put_row(adjust, self._slot[req], self._canvas_entries(req))
+                    slot = self._slot[req]
+                    try:
+                        renoise_tables.put_row(adjust, slot, self._canvas_entries(req))
+                    except Exception as e:  # (a table that does not fit) that request's failure alone
+                        self.s.fail(req, e)
+                        live[slot] = False
+            reqs = [r for r in reqs if r in self.s.running]
+            if not reqs:
+                return None
         top = any(r.params.logprobs > 0 for r in reqs)
         return DenoiseCall(list(reqs), starting, seeds, canvas_index, prefix, tables, live, steps, adjust, top)
 
