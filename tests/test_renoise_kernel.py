@@ -3,6 +3,8 @@ mode) against the materialised reference; vocabulary shards merged; samples foll
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -206,8 +208,8 @@ def test_masked_tokens_are_never_chosen_and_neutral_tables_change_nothing():
     ids = np.full((rows, 4), int(A.PAD_ID), np.int32)
     ids[:, 0] = favourite
     adj = A.Adjust(jnp.asarray(ids), jnp.ones((rows, 4)), jnp.full((rows, 4), 50.0), jnp.full((rows, 4), 5, jnp.int32))
-    for fn in (functools_partial(R.renoise_stats_streaming, block_v=16),
-               functools_partial(R.renoise_stats_pallas, interpret=True, block_v=16, block_k=16, block_h=16)):
+    for fn in (functools.partial(R.renoise_stats_streaming, block_v=16),
+               functools.partial(R.renoise_stats_pallas, interpret=True, block_v=16, block_k=16, block_h=16)):
         got = fn(hidden, embed, embed, temps, keys, adjust=adj, row_len=row_len, top_k=3)
         arg = np.asarray(got.argmax).reshape(rows, row_len)
         smp = np.asarray(got.sample).reshape(rows, row_len)
@@ -232,9 +234,3 @@ def test_top_k_shards_merge_to_the_whole():
     _check(merged, want)
     np.testing.assert_array_equal(np.asarray(merged.top_ids), np.asarray(want.top_ids))
     assert _rel(merged.top_logprob, want.top_logprob) < 1e-5
-
-
-def functools_partial(fn, **kw):
-    import functools
-
-    return functools.partial(fn, **kw)
