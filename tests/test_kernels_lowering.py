@@ -58,3 +58,33 @@ def test_confidence_lowers_for_cuda(positions, vocab_major):
 def test_confidence_lowers_with_ragged_hidden():
     """A hidden size that is not a multiple of the hidden step takes the masked-load path."""
     _lower_for_cuda(lambda h, w: confidence_stats(h, w), S((7, 40), jnp.float32), S((40, 1000), jnp.float32))
+
+
+@pytest.mark.parametrize("variant", ["plain", "top", "adjust", "adjust_top"])
+def test_renoise_lowers_for_cuda(variant):
+    """DiffusionGemma's fused pass at its real vocabulary, hidden size and canvas: plain, with top-k, with the
+    per-row adjustment tables (scalar loads at traced indices, loops with traced bounds), both."""
+    from pallas_kernels import renoise as R
+    from pallas_kernels.renoise_adjust import Adjust
+
+    V, H, C, rows, W = 262144, 2304, 256, 2, 1024
+    n = rows * C
+    args = [S((n, H), jnp.bfloat16), S((V, H), jnp.bfloat16), S((V, H), jnp.bfloat16), S((n,), jnp.float32),
+            S((n,), jnp.uint32)]
+    if "adjust" in variant:
+        args.append(Adjust(S((rows, W), jnp.int32), S((rows, W), jnp.float32), S((rows, W), jnp.float32),
+                           S((rows, W), jnp.int32)))
+    top_k = 20 if "top" in variant else 0
+    _lower_for_cuda(lambda h, w, e, t, k, *a: R.renoise_stats_pallas(
+        h, w, e, t, k, softcap=30.0, adjust=a[0] if a else None, row_len=C, top_k=top_k), *args)
+
+
+def test_renoise_lowers_with_short_rows():
+    """Canvas rows shorter than the kernel's row tile: a program walks several rows' tables."""
+    from pallas_kernels import renoise as R
+    from pallas_kernels.renoise_adjust import Adjust
+
+    adj = Adjust(S((8, 512), jnp.int32), S((8, 512), jnp.float32), S((8, 512), jnp.float32), S((8, 512), jnp.int32))
+    _lower_for_cuda(lambda h, w, t, k, a: R.renoise_stats_pallas(h, w, w, t, k, adjust=a, row_len=4, top_k=5),
+                    S((32, 64), jnp.float32), S((1000, 64), jnp.float32), S((32,), jnp.float32),
+                    S((32,), jnp.uint32), adj)

@@ -1,6 +1,6 @@
 """DiffusionGemma through the engine: the renoise scheduler's answers equal the batch loop's (which replays
 transformers exactly, tests/test_renoise.py), whatever the schedule, the batch, retractions; pages are exact after
-every run; options that do not apply are refused naming them."""
+every run; options that do not apply (or out of range) are refused naming them."""
 
 from __future__ import annotations
 
@@ -96,7 +96,8 @@ def test_stream_logprobs_and_refusals(model_dir, reference, fdfo):
         lps = chunks[-1]["meta_info"]["output_token_logprobs"]
         assert [t for _, t, _ in lps] == reference[0].output_ids
         assert all(lp <= 0 for lp, _, _ in lps)
-        for bad in ({"presence_penalty": 0.5}, {"min_new_tokens": 3}, {"logit_bias": {"3": 1.0}}):
+        for bad in ({"presence_penalty": 2.5}, {"min_new_tokens": 5}, {"logit_bias": {"3": 101.0}},
+                    {"top_logprobs_num": 21}):  # out of range (the options themselves: tests/test_renoise_sampling.py)
             with pytest.raises(ValueError, match=next(iter(bad))):
                 engine.generate(input_ids=PROMPTS[0], sampling_params=dict(bad, max_new_tokens=4))
         engine.scheduler.check_pages()
@@ -155,7 +156,7 @@ def test_served_over_http(fdfo):
         chat = client.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 8, "seed": 5})
         assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] <= 8
-        bad = client.post("/generate", json={"text": "hi", "sampling_params": {"frequency_penalty": 1.0}})
+        bad = client.post("/generate", json={"text": "hi", "sampling_params": {"frequency_penalty": 3.0}})
         assert bad.status_code == 400 and "frequency_penalty" in bad.text
         # the model's own refusals name the client's field (issue 49: top_logprobs_num for top_logprobs)
         chat = [{"role": "user", "content": "hi"}]

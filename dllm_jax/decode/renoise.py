@@ -29,8 +29,10 @@ import jax
 import jax.numpy as jnp
 
 from dllm_jax.config import ModelConfig
+from dllm_jax.decode.rows import MAX_TOP_LOGPROBS
 from dllm_jax.model import gemma
 from pallas_kernels.renoise import draw_key, get_renoise_fn, uniform_tokens
+from pallas_kernels.renoise_adjust import Adjust
 
 NAME = "Gemma4Renoise"
 STREAM_SAMPLE, STREAM_RENOISE, STREAM_INIT = 0, 1, 2
@@ -114,6 +116,8 @@ class RenoiseState(NamedTuple):
     finished: jax.Array  # [R] bool
     entropy: jax.Array  # [R] float32: the last step's mean entropy
     logprob: jax.Array  # [R, C] float32: each argmax token's log-probability under the last step
+    top_logprob: jax.Array  # [R, C, MAX_TOP_LOGPROBS] float32: the last step's most likely tokens (only the
+    top_ids: jax.Array  # [R, C, MAX_TOP_LOGPROBS] int32   steps of the top-k variant write them)
 
 
 def initial_state(cfg: ModelConfig, rcfg: RenoiseConfig, seeds, canvas_index, dtype) -> RenoiseState:
@@ -127,7 +131,9 @@ def initial_state(cfg: ModelConfig, rcfg: RenoiseConfig, seeds, canvas_index, dt
                         jnp.full((num_rows, max(1, rcfg.stability_threshold), length), -1, jnp.int32),
                         jnp.full((num_rows,), rcfg.max_denoising_steps, jnp.int32),
                         jnp.zeros((num_rows,), bool), jnp.zeros((num_rows,), jnp.float32),
-                        jnp.zeros((num_rows, length), jnp.float32))
+                        jnp.zeros((num_rows, length), jnp.float32),
+                        jnp.zeros((num_rows, length, MAX_TOP_LOGPROBS), jnp.float32),
+                        jnp.zeros((num_rows, length, MAX_TOP_LOGPROBS), jnp.int32))
 
 
 def accept(entropy, bound):
@@ -141,9 +147,13 @@ def accept(entropy, bound):
 
 
 def denoise_step(params, cfg: ModelConfig, rcfg: RenoiseConfig, state: RenoiseState, seeds, canvas_index, prefix_len,
-                 kv_pages, page_tables, *, backend: str = "xla", draws: bool = False):
+                 kv_pages, page_tables, *, backend: str = "xla", draws: bool = False, adjust: Adjust | None = None,
+                 top_k: int = 0):
     """One Gemma4Renoise step for every row (rows already finished keep their state). Returns the new state (and,
-    with ``draws``, this step's ``(samples, renoise tokens, accepted)`` for replay checks)."""
+    with ``draws``, this step's ``(samples, renoise tokens, accepted)`` for replay checks). ``adjust``: each row's
+    table of penalties / biases / masked stop ids (:mod:`dllm_jax.decode.renoise_tables`), applied inside the
+    vocabulary pass; ``top_k``: also record the step's ``top_k`` most likely tokens per position (the state keeps
+    ``MAX_TOP_LOGPROBS``; fewer leave the rest as they were)."""
     num_rows, length = state.canvas.shape
     hidden = gemma.decode_canvas(params, cfg, state.canvas, prefix_len, kv_pages, page_tables, state.soft)
     embed = gemma.decoder_weights(params, cfg)[0]
@@ -154,7 +164,8 @@ def denoise_step(params, cfg: ModelConfig, rcfg: RenoiseConfig, state: RenoiseSt
     keys = draw_key(seeds[:, None], canvas_index[:, None], step[:, None], positions, stream=STREAM_SAMPLE)
     stats = get_renoise_fn(backend)(
         hidden.reshape(num_rows * length, -1), head, embed, jnp.repeat(temperature, length), keys.reshape(-1),
-        softcap=cfg.final_logit_softcapping, vocab_major=vocab_major, embed_scale=cfg.hidden_size ** 0.5)
+        softcap=cfg.final_logit_softcapping, vocab_major=vocab_major, embed_scale=cfg.hidden_size ** 0.5,
+        adjust=adjust, row_len=length, top_k=top_k)
     shape = (num_rows, length)
     sample, argmax = stats.sample.reshape(shape), stats.argmax.reshape(shape)
     entropy, logprob = stats.entropy.reshape(shape), stats.logprob.reshape(shape)
@@ -175,7 +186,14 @@ def denoise_step(params, cfg: ModelConfig, rcfg: RenoiseConfig, state: RenoiseSt
     new = RenoiseState(keep(canvas, state.canvas), keep(argmax, state.argmax),
                        keep(stats.soft.reshape(num_rows, length, -1).astype(state.soft.dtype), state.soft),
                        keep(history, state.history), jnp.where(live, step - 1, step), state.finished | done_now,
-                       keep(mean_entropy, state.entropy), keep(logprob, state.logprob))
+                       keep(mean_entropy, state.entropy), keep(logprob, state.logprob), state.top_logprob,
+                       state.top_ids)
+    if top_k:
+        k_shape = (num_rows, length, top_k)
+        new = new._replace(
+            top_logprob=keep(state.top_logprob.at[..., :top_k].set(stats.top_logprob.reshape(k_shape)),
+                             state.top_logprob),
+            top_ids=keep(state.top_ids.at[..., :top_k].set(stats.top_ids.reshape(k_shape)), state.top_ids))
     if draws:
         return new, (sample, noise, accepted)
     return new

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.decode import renoise
+from dllm_jax.decode import renoise, renoise_tables
 from dllm_jax.model import gemma
 from pallas_kernels import next_pow2
 
@@ -36,6 +36,7 @@ class RowResult:
     forward_passes: int  # decoder forwards this row took part in while unfinished
     steps_per_canvas: list[int]
     logprobs: list[float]  # each output token's log-probability under its canvas's last step
+    top: list = dataclasses.field(default_factory=list)  # with top_k: per output token [(logprob, id)] * top_k
 
 
 class RenoiseLoop:
@@ -44,14 +45,18 @@ class RenoiseLoop:
         self.params, self.cfg, self.rcfg, self.backend, self.dtype = params, cfg, rcfg, backend, jnp.dtype(dtype)
         self._encode = jax.jit(functools.partial(gemma.encode_chunk, cfg=cfg), donate_argnames="kv_pages")
         self._step = jax.jit(functools.partial(renoise.denoise_step, cfg=cfg, rcfg=rcfg, backend=backend),
-                             static_argnames="draws")
+                             static_argnames=("draws", "top_k"))
         self._init = jax.jit(functools.partial(renoise.initial_state, cfg, rcfg, dtype=self.dtype))
 
     def generate(self, prompts: list[list[int]], max_new_tokens: list[int], seeds: list[int], *,
-                 eos_token_ids=(), ignore_eos: list[bool] | None = None,
-                 on_step: Callable | None = None, on_canvas: Callable | None = None) -> list[RowResult]:
+                 eos_token_ids=(), ignore_eos: list[bool] | None = None, options: list[dict] | None = None,
+                 top_k: int = 0, on_step: Callable | None = None, on_canvas: Callable | None = None
+                 ) -> list[RowResult]:
         """Decode every prompt. ``on_step(canvas_index, state, draws)`` after each step; ``on_canvas(row,
-        tokens)`` when a row appends a canvas (streaming)."""
+        tokens)`` when a row appends a canvas (streaming). ``options``: per row, the keyword arguments of
+        :func:`dllm_jax.decode.renoise_tables.canvas_entries` other than history / prompt_len / canvas_len
+        (penalties, biases, min_new with its stop ids; EOS ends a row at the first EOS id or ``stop_ids`` entry);
+        ``top_k``: also each output token's ``top_k`` most likely tokens."""
         cfg, canvas_len = self.cfg, self.cfg.block_size
         rows = len(prompts)
         ignore_eos = ignore_eos or [False] * rows
@@ -78,12 +83,20 @@ class RenoiseLoop:
             state = self._init(seeds_dev, jnp.full((rows,), c, jnp.int32))
             state = state._replace(finished=jnp.asarray(done))  # finished requests ride along
             steps = np.zeros(rows, np.int32)
+            adjust = None
+            if options is not None:
+                adj = renoise_tables.empty_tables(rows, renoise_tables.table_width(width * PAGE))
+                for r, opts in enumerate(options):
+                    renoise_tables.put_row(adj, r, renoise_tables.canvas_entries(
+                        history=list(prompts[r]) + results[r].output_ids, prompt_len=len(prompts[r]),
+                        canvas_len=canvas_len, **opts))
+                adjust = renoise.Adjust(*(jnp.asarray(adj[f]) for f in renoise_tables.FIELDS))
             while True:
                 was = np.asarray(state.finished)
                 state, draws = self._step(self.params, state=state, seeds=seeds_dev,
                                           canvas_index=jnp.full((rows,), c, jnp.int32),
                                           prefix_len=jnp.asarray(lengths), kv_pages=pool, page_tables=tables,
-                                          draws=True)
+                                          draws=True, adjust=adjust, top_k=top_k)
                 steps += ~was
                 if on_step is not None:
                     on_step(c, state, draws)
@@ -96,11 +109,17 @@ class RenoiseLoop:
                 res.steps_per_canvas.append(int(steps[r]))
                 take = min(canvas_len, max_new_tokens[r] - len(res.output_ids))
                 new = argmax[r, :take].tolist()
-                hit = next((i for i, t in enumerate(new) if t in eos_token_ids), None) if not ignore_eos[r] else None
+                stops = (set() if ignore_eos[r] else set(eos_token_ids)) | set(
+                    (options[r].get("stop_ids", ()) if options else ()))
+                hit = next((i for i, t in enumerate(new) if t in stops), None)
                 if hit is not None:
                     new, done[r], res.finish_reason = new[:hit + 1], True, "stop"
                 res.output_ids += new
                 res.logprobs += logprob[r, :len(new)].tolist()
+                if top_k:
+                    top_lp, top_ids = np.asarray(state.top_logprob), np.asarray(state.top_ids)
+                    res.top += [list(zip(top_lp[r, i, :top_k].tolist(), top_ids[r, i, :top_k].tolist()))
+                                for i in range(len(new))]
                 if len(res.output_ids) >= max_new_tokens[r]:
                     done[r] = True
                 if on_canvas is not None:

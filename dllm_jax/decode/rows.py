@@ -26,6 +26,7 @@ PENALTY_PREFIX = "penalties."  # and of the penalty tables
 CHAIN_STOP_IDS = 8  # width of the stop-id table of a chaining row (a request with more stop ids does not chain)
 MAX_LOGIT_BIAS = 300  # logit-bias entries per row (OpenAI's limit; SamplingParams validates against it)
 MAX_MIN_NEW_STOP_IDS = 64  # EOS + stop ids masked by min_new_tokens
+MAX_TOP_LOGPROBS = 20  # alternatives per output token (OpenAI's limit); the device computes this many
 
 
 def is_sampled(temperature, top_k):

@@ -28,6 +28,7 @@ import numpy as np
 
 from dllm_jax.cache.pages import TRASH_PAGE, OutOfPages, PageAllocator
 from dllm_jax.cache.window_radix import WindowPrefixIndex
+from dllm_jax.decode import renoise_tables
 from dllm_jax.engine.events import PROVISIONAL
 from dllm_jax.engine.policy import Admission, Refuse
 from dllm_jax.engine.renoise_runner import DenoiseCall, DenoiseResult, EncodeCall, RenoiseRunner
@@ -53,6 +54,7 @@ class Canvases:
         self._sliding_pages: dict[Request, list[int]] = {}  # per page of context; TRASH_PAGE once released
         self._kv_len: dict[Request, int] = {}  # tokens whose K/V are in the pools
         self._starting: set[Request] = set()  # canvas to start in the next denoise call
+        self._entries: dict[Request, tuple[int, tuple]] = {}  # (canvas index, its adjustment entries)
         self.s = None  # the scheduler (attach)
 
     def attach(self, scheduler) -> None:
@@ -137,6 +139,7 @@ class Canvases:
         self._slot.pop(req, None)
         self._kv_len.pop(req, None)
         self._starting.discard(req)
+        self._entries.pop(req, None)
 
     def _cache(self, req: Request) -> None:
         """Offer the request's complete pages of encoded real tokens to the prefix index."""
@@ -211,8 +214,38 @@ class Canvases:
         steps = self.max_steps_per_call
         if any(r.provisional for r in reqs):
             steps = 1  # the host sees every step (provisional frames)
-        return DenoiseCall(list(reqs), starting, seeds, canvas_index, prefix, self._tables(reqs, by_slot=True), live,
-                           steps)
+        tables = self._tables(reqs, by_slot=True)
+        adjust = None
+        if any(r.params.penalized for r in reqs):  # the penalty variant: every slot's table (neutral: empty)
+            adjust = renoise_tables.empty_tables(R, self.runner.adjust_width(tables[FULL_KIND].shape[1]))
+            for req in reqs:
+                if req.params.penalized:
+                    slot = self._slot[req]
+                    try:
+                        renoise_tables.put_row(adjust, slot, self._canvas_entries(req))
+                    except Exception as e:  # (a table that does not fit) that request's failure alone
+                        self.s.fail(req, e)
+                        live[slot] = False
+            reqs = [r for r in reqs if r in self.s.running]
+            if not reqs:
+                return None
+        top = any(r.params.logprobs > 0 for r in reqs)
+        return DenoiseCall(list(reqs), starting, seeds, canvas_index, prefix, tables, live, steps, adjust, top)
+
+    def _canvas_entries(self, req: Request) -> tuple:
+        """The request's adjustment entries for its current canvas (built once per canvas: the committed outputs
+        before it are the generated tokens; :mod:`dllm_jax.decode.renoise_tables`)."""
+        index = len(req.output_ids) // self.C
+        cached = self._entries.get(req)
+        if cached is not None and cached[0] == index:
+            return cached[1]
+        p = req.params
+        entries = renoise_tables.canvas_entries(
+            history=req.prompt_ids + req.output_ids, prompt_len=len(req.prompt_ids), canvas_len=self.C,
+            presence=p.presence_penalty, frequency=p.frequency_penalty, repetition=p.repetition_penalty,
+            bias=p.logit_bias, stop_ids=sorted(self.s.stop_set(req)), min_new=p.min_new_tokens)
+        self._entries[req] = (index, entries)
+        return entries
 
     def _commit_denoise(self, call: DenoiseCall, out: DenoiseResult) -> None:
         self.s.stats["denoise_calls"] += 1
@@ -231,16 +264,24 @@ class Canvases:
                     self.s.emit(req, PROVISIONAL)
                 continue
             try:
-                self._commit_canvas(req, out.argmax[s], out.logprob[s])
+                top = None if out.top_ids is None else (out.top_logprob[s], out.top_ids[s])
+                self._commit_canvas(req, out.argmax[s], out.logprob[s], top)
             except Exception as e:  # one request's commit failing is its own
                 self.s.fail(req, e)
 
-    def _commit_canvas(self, req: Request, canvas: np.ndarray, logprob: np.ndarray) -> None:
+    def _commit_canvas(self, req: Request, canvas: np.ndarray, logprob: np.ndarray, top=None) -> None:
         before = len(req.output_ids)
         finish = self.s.append_outputs(req, canvas.tolist())
-        if req.params.return_logprob:
-            lps = logprob[:len(req.output_ids) - before].tolist()
+        self._entries.pop(req, None)
+        if req.params.return_logprob:  # under the canvas's last step (-inf reported as -9999.0, JSON-safe)
+            count = len(req.output_ids) - before
+            lps = np.maximum(logprob[:count], -9999.0).tolist()
             req.output_token_logprobs.extend([lp, t, None] for lp, t in zip(lps, req.output_ids[before:]))
+            k = req.params.top_logprobs_num
+            if k:
+                vals = np.maximum(top[0][:count, :k], -9999.0).tolist()
+                ids = top[1][:count, :k].tolist()
+                req.output_top_logprobs.extend([[v, t, None] for v, t in zip(vs, ts)] for vs, ts in zip(vals, ids))
         req.block_tokens = req.block_immutable = req.block_offset = None
         req.block_steps = 0
         if finish is not None:

@@ -96,10 +96,9 @@ def _mask_info(engine) -> dict:
             "expert_parallel_size": engine.expert_parallel_size}
 
 
-# Request options a renoise request cannot take: the canvas is sampled by the renoise schedule alone (SGLang
-# refuses the same ones for this model).
-_CANVAS_REFUSED = (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
-                   ("min_new_tokens", 0), ("logit_bias", ()), ("top_logprobs_num", 0))
+# Request options a renoise request cannot take (none left: penalties, logit_bias, min_new_tokens and top
+# logprobs are applied inside the fused vocabulary pass, dllm_jax/decode/renoise_tables.py).
+_CANVAS_REFUSED: tuple[tuple[str, object], ...] = ()
 
 
 def build_canvases(engine, loaded, o, channel):

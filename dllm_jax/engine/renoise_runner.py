@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dllm_jax.config import ModelConfig
-from dllm_jax.decode import renoise
+from dllm_jax.decode import renoise, renoise_tables
+from dllm_jax.decode.rows import MAX_TOP_LOGPROBS
 from dllm_jax.engine.calls import Pending
 from dllm_jax.engine.compilation import Compiler, pow2_buckets
 from dllm_jax.model import gemma
@@ -55,6 +56,8 @@ class DenoiseCall:
     tables: dict  # kind -> [max_rows, width]
     live: np.ndarray  # [max_rows] bool: slots with a request decoding
     max_steps: int
+    adjust: dict | None = None  # the penalty variant: renoise_tables.FIELDS -> [max_rows, width] (neutral rows empty)
+    top: bool = False  # the top-k variant: record the MAX_TOP_LOGPROBS most likely tokens of each step
 
 
 @dataclasses.dataclass
@@ -64,6 +67,8 @@ class DenoiseResult:
     logprob: np.ndarray  # [R, C] float32
     steps: np.ndarray  # [R] int32: steps each row ran in this call
     entropy: np.ndarray  # [R] float32
+    top_logprob: np.ndarray | None = None  # [R, C, MAX_TOP_LOGPROBS] float32 (the top-k variant)
+    top_ids: np.ndarray | None = None  # [R, C, MAX_TOP_LOGPROBS] int32
 
 
 MIN_CHUNK = 16  # the smallest encode chunk (tokens per row)
@@ -79,6 +84,8 @@ class EncodeKey(NamedTuple):
 class CanvasKey(NamedTuple):
     kind: str  # "canvas"
     width: int
+    penalties: bool = False  # the variant with adjustment tables (renoise_tables.table_width(width * page_size))
+    top: bool = False  # the variant recording the top MAX_TOP_LOGPROBS tokens
 
 
 class RenoiseRunner:
@@ -103,28 +110,36 @@ class RenoiseRunner:
         self.calls = {"encode": 0, "denoise": 0, "steps": 0}
         self._encode = jax.jit(functools.partial(gemma.encode_chunk, cfg=cfg), donate_argnames="kv_pages")
         self._denoise = jax.jit(functools.partial(_denoise_loop, cfg=cfg, rcfg=rcfg, backend=backend),
-                                donate_argnames="state", static_argnames="first_finish")
+                                donate_argnames="state", static_argnames=("first_finish", "top_k"))
 
     # -- shapes -----------------------------------------------------------------------------------
     def encode_key(self, rows: int, longest: int, width: int) -> EncodeKey:
         return EncodeKey("encode", next_pow2(rows), max(MIN_CHUNK, next_pow2(longest)), next_pow2(width))
 
-    def canvas_key(self, width: int) -> CanvasKey:
-        return CanvasKey("canvas", next_pow2(width))
+    def canvas_key(self, width: int, penalties: bool = False, top: bool = False) -> CanvasKey:
+        return CanvasKey("canvas", next_pow2(width), penalties, top)
 
-    def buckets(self, **variants) -> list:
-        """The keys warm-up compiles (the module's doc): ``variants`` (the SDAR step's) do not apply here."""
+    def adjust_width(self, width: int) -> int:
+        """The adjustment tables' width for page tables ``width`` pages wide (every real token of a row fits)."""
+        return renoise_tables.table_width(next_pow2(width) * self.page_size)
+
+    def buckets(self, *, penalties: bool = False, logprobs: bool = False, sampling: bool = False, **_) -> list:
+        """The keys warm-up compiles (the module's doc): with ``penalties`` / ``logprobs`` also the denoise
+        variants for such requests (every combination: a call may mix them); ``sampling`` does not apply (the
+        renoise schedule always samples)."""
         canvas_chunk = max(MIN_CHUNK, next_pow2(self.cfg.block_size))
-        keys = [CanvasKey("canvas", w) for w in self.widths]
+        variants = [(False, False)] + ([(True, False)] if penalties else [])
+        variants += [(p, True) for p, _ in variants] if logprobs else []
+        keys = [CanvasKey("canvas", w, p, t) for p, t in variants for w in self.widths]
         keys += [EncodeKey("encode", 1, c, w) for c in self.chunks for w in self.widths if 2 * w * self.page_size >= c]
         keys += [EncodeKey("encode", r, canvas_chunk, w) for r in self.rows[1:] for w in self.widths]
         return keys
 
     def num_buckets(self, **variants) -> int:
-        return len(self.buckets())
+        return len(self.buckets(**variants))
 
     def warmup(self, *, on_bucket=None, **variants) -> int:
-        return self.compiler.warmup(self.buckets(), on_key=on_bucket)
+        return self.compiler.warmup(self.buckets(**variants), on_key=on_bucket)
 
     def _lower(self, key):
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
@@ -134,9 +149,14 @@ class RenoiseRunner:
                                       num_tokens=i32(key.rows), kv_pages=self.pool, page_tables=tables)
         R = self.max_rows
         flags = jax.ShapeDtypeStruct((R,), np.bool_)
+        adjust = None
+        if key.penalties:
+            W = self.adjust_width(key.width)
+            f32 = jax.ShapeDtypeStruct((R, W), np.float32)
+            adjust = renoise.Adjust(i32(R, W), f32, f32, i32(R, W))
         return self._denoise.lower(self.params, self.state, flags, flags, jax.ShapeDtypeStruct((R,), np.uint32),
                                    i32(R), i32(R), self.pool, {k: i32(R, key.width) for k in self.num_pages}, i32(),
-                                   first_finish=self.first_finish)
+                                   adjust, first_finish=self.first_finish, top_k=MAX_TOP_LOGPROBS if key.top else 0)
 
     def stop_followers(self) -> None:
         return None
@@ -184,22 +204,28 @@ class RenoiseRunner:
     def _dispatch_denoise(self, call: DenoiseCall):
         start = np.zeros(self.max_rows, bool)
         start[call.start_slots] = True
-        key = self.canvas_key(next(iter(call.tables.values())).shape[1])
+        key = self.canvas_key(next(iter(call.tables.values())).shape[1], call.adjust is not None, call.top)
+        adjust = None
+        if call.adjust is not None:
+            adjust = renoise.Adjust(*(jnp.asarray(call.adjust[f]) for f in renoise_tables.FIELDS))
         self.state, steps = self._denoise(
             self.params, self.state, jnp.asarray(start), jnp.asarray(call.live), jnp.asarray(call.seeds),
             jnp.asarray(call.canvas_index), jnp.asarray(call.prefix_len), self.pool,
             {k: jnp.asarray(_pad(v, self.max_rows, key.width)) for k, v in call.tables.items()},
-            jnp.int32(call.max_steps), first_finish=self.first_finish)
+            jnp.int32(call.max_steps), adjust, first_finish=self.first_finish,
+            top_k=MAX_TOP_LOGPROBS if call.top else 0)
         self.compiler.ran(key)
-        return steps
+        return steps, call.top
 
-    def _collect_denoise(self, steps) -> DenoiseResult:
+    def _collect_denoise(self, pending) -> DenoiseResult:
+        steps, top = pending
         s = self.state
         finished, argmax, logprob, steps, entropy = jax.device_get((s.finished, s.argmax, s.logprob, steps, s.entropy))
+        top_lp, top_ids = jax.device_get((s.top_logprob, s.top_ids)) if top else (None, None)
         self.calls["denoise"] += 1
         self.calls["steps"] += int(steps.max(initial=0))
         return DenoiseResult(np.asarray(finished), np.asarray(argmax), np.asarray(logprob), np.asarray(steps),
-                             np.asarray(entropy))
+                             np.asarray(entropy), top_lp, top_ids)
 
 
 def _pad(table: np.ndarray, rows: int, width: int) -> np.ndarray:
@@ -209,10 +235,11 @@ def _pad(table: np.ndarray, rows: int, width: int) -> np.ndarray:
     return out
 
 
-def _denoise_loop(params, state, start, live, seeds, canvas_index, prefix_len, kv_pages, page_tables, max_steps, *,
-                  cfg, rcfg, backend, first_finish):
+def _denoise_loop(params, state, start, live, seeds, canvas_index, prefix_len, kv_pages, page_tables, max_steps,
+                  adjust=None, *, cfg, rcfg, backend, first_finish, top_k=0):
     """Start the canvases of ``start`` slots, then run steps until a live row finishes (``first_finish``) or all
-    live rows have, at most ``max_steps``. Slots not ``live`` are held finished (they do not change)."""
+    live rows have, at most ``max_steps``. Slots not ``live`` are held finished (they do not change). ``adjust`` /
+    ``top_k``: the penalty and top-k variants (:func:`dllm_jax.decode.renoise.denoise_step`)."""
     fresh = renoise.initial_state(cfg, rcfg, seeds, canvas_index, state.soft.dtype)
     pick = lambda a, b: jnp.where(start.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)  # noqa: E731
     state = jax.tree.map(pick, fresh, state)
@@ -229,7 +256,7 @@ def _denoise_loop(params, state, start, live, seeds, canvas_index, prefix_len, k
         st, i, steps = carry
         steps = steps + (~st.finished).astype(jnp.int32)
         st = renoise.denoise_step(params, cfg, rcfg, st, seeds, canvas_index, prefix_len, kv_pages, page_tables,
-                                  backend=backend)
+                                  backend=backend, adjust=adjust, top_k=top_k)
         return st, i + 1, steps
 
     state, _, steps = jax.lax.while_loop(cond, body, (state, jnp.int32(0), jnp.zeros_like(prefix_len)))

@@ -14,10 +14,9 @@ import dataclasses
 from typing import Any
 
 # the fixed widths of the device's logit-bias and min-new-tokens stop tables (OpenAI's limit of 300 biases)
-from dllm_jax.decode.rows import MAX_LOGIT_BIAS, MAX_MIN_NEW_STOP_IDS, is_sampled  # noqa: F401  (re-exported)
+from dllm_jax.decode.rows import MAX_LOGIT_BIAS, MAX_MIN_NEW_STOP_IDS, MAX_TOP_LOGPROBS, is_sampled  # noqa: F401
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20  # anything larger is a mistake, not a request
-MAX_TOP_LOGPROBS = 20  # alternatives per output token (OpenAI's limit); the device computes this many
 MAX_STOP_STRINGS = 16  # host-side stop strings per request (each commit searches the text for every one)
 MAX_STOP_TOKEN_IDS = 1024  # stop token ids per request
 INT32_MAX = 2 ** 31 - 1  # top_k, token ids and counts travel to the device as int32
