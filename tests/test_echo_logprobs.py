@@ -246,11 +246,17 @@ def test_families_without_a_mask_token_are_refused():
     """A uniform-noise family (DiffusionGemma) has no mask token, so no chain estimator: a ValueError naming the
     field (the check alone, on a stand-in engine of that family; the slow test below goes through a real one)."""
     from dllm_jax.config import DIFFUSION_GEMMA_ARCHITECTURES
+    from dllm_jax.engine.families import capabilities_of
     from dllm_jax.engine.scoring import Scoring
+    from dllm_jax.model.family import family_of
 
-    class Stub(Scoring):
+    class Stub(Scoring):  # what an engine of that family is built with (engine/families.py)
         config = {"architectures": [DIFFUSION_GEMMA_ARCHITECTURES[0]]}
         runner = object()
+
+        @property
+        def capabilities(self):
+            return capabilities_of(family_of(self.config))
 
     with pytest.raises(ValueError, match="^echo: prompt log-probabilities .* no mask token"):
         Stub().check_prompt_logprobs("echo")

@@ -83,7 +83,7 @@ def build_mask_blocks(engine, loaded, o, channel):
                         max_steps_per_call=o.max_steps_per_call or 1 << 30)
     engine.scheduler = Scheduler(policy, eos_token_ids=engine.eos_token_ids,
                                  max_running_requests=o.max_running_requests, output=engine.output)
-    engine.capabilities = Capabilities()
+    engine.capabilities = CAPABILITIES["mask"]
     engine.family_info = lambda: _mask_info(engine)
     return channel
 
@@ -146,10 +146,7 @@ def build_canvases(engine, loaded, o, channel):
                       enable_prefix_cache=o.enable_prefix_cache)
     engine.scheduler = Scheduler(policy, eos_token_ids=engine.eos_token_ids,
                                  max_running_requests=o.max_running_requests, output=engine.output)
-    engine.capabilities = Capabilities(
-        rl=False, score=False, refused_params=_CANVAS_REFUSED,
-        refusal_reason=f"not supported with {renoise.NAME} (sampling is governed by the renoise schedule: "
-                       f"temperature, acceptance and stopping come from algorithm_config)")
+    engine.capabilities = CAPABILITIES["canvas"]
     engine.family_info = lambda: {
         "family": family_of(cfg).name, "canvas_length": engine.block_size,
         "algorithm_config": renoise.config_dict(engine.rcfg), "kv_page_size": S,
@@ -158,3 +155,14 @@ def build_canvases(engine, loaded, o, channel):
 
 
 SERVING = {"mask": build_mask_blocks, "canvas": build_canvases}
+# What each kind's engine offers beyond generating (Engine.capabilities; capabilities_of for a family)
+CAPABILITIES = {
+    "mask": Capabilities(),
+    "canvas": Capabilities(rl=False, score=False, refused_params=_CANVAS_REFUSED, refusal_reason=(
+        f"not supported with {renoise.NAME} (sampling is governed by the renoise schedule: temperature, "
+        f"acceptance and stopping come from algorithm_config)")),
+}
+
+
+def capabilities_of(family) -> Capabilities:
+    return CAPABILITIES[family.serving]
