@@ -58,7 +58,8 @@ def _engine(model_dir, **kw):
     return dllm_jax.Engine(model_path=model_dir, warmup=False, algorithm_config=EXACT, **kw)
 
 
-@pytest.fixture(scope="module", params=["fdfo", "sync"])
+# the synchronous schedule's half of the matrix runs with the slow tests (-m slow): about a minute on 2 cores
+@pytest.fixture(scope="module", params=["fdfo", pytest.param("sync", marks=pytest.mark.slow)])
 def engines(request, model_dir):
     off = _engine(model_dir, schedule=request.param, enable_prefix_cache=False)
     on = _engine(model_dir, schedule=request.param)

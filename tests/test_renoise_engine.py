@@ -158,16 +158,18 @@ def test_served_over_http(fdfo):
         assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] <= 8
         bad = client.post("/generate", json={"text": "hi", "sampling_params": {"frequency_penalty": 3.0}})
         assert bad.status_code == 400 and "frequency_penalty" in bad.text
-        # the model's own refusals name the client's field (issue 49: top_logprobs_num for top_logprobs)
+        # errors name the client's field (issue 49: top_logprobs_num for top_logprobs), the engine's own checks
+        # (min_new_tokens against max_new_tokens) as the schema's; this family takes these options now
         chat = [{"role": "user", "content": "hi"}]
         for path, body, param in (
-                ("/generate", {"text": "hi", "sampling_params": {"frequency_penalty": 1.0}},
+                ("/generate", {"text": "hi", "sampling_params": {"frequency_penalty": 3.0}},
                  "sampling_params.frequency_penalty"),
-                ("/generate", {"text": ["hi", "yo"], "sampling_params": [{}, {"min_new_tokens": 2}]},
+                ("/generate", {"text": ["hi", "yo"], "sampling_params": [{}, {"min_new_tokens": 3,
+                                                                            "max_new_tokens": 2}]},
                  "sampling_params[1].min_new_tokens"),
-                ("/v1/chat/completions", {"messages": chat, "logprobs": True, "top_logprobs": 2}, "top_logprobs"),
-                ("/v1/chat/completions", {"messages": chat, "min_tokens": 2}, "min_tokens"),
-                ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs")):
+                ("/v1/chat/completions", {"messages": chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                ("/v1/chat/completions", {"messages": chat, "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+                ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs")):
             r = client.post(path, json=body)
             assert r.status_code == 400, r.text
             err = r.json()["error"]
