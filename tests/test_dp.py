@@ -30,8 +30,7 @@ import pytest
 
 from conftest import TEST_XLA_FLAGS
 
-pytestmark = pytest.mark.slow
-pytest.importorskip("sglang_router")
+pytestmark = pytest.mark.slow  # (sglang-router comes with the test extra: these never skip)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONTEXT = 512

@@ -33,24 +33,20 @@ class PrefillRow:
     write_pages: list[int]  # C_i pages
 
 
-@dataclasses.dataclass
-class DecodeRow:
-    """One request's row of a denoise call, as the scheduler describes it. Fields named as an input of
-    :mod:`dllm_jax.decode.rows` are written into the call as they are; the others are host concepts the runner
-    turns into inputs (the prefix pages into ``page_table`` and ``prefix_len``, ``penalty`` into the penalty
-    tables, ``chain_pages`` / ``stop_ids`` into the chaining tables)."""
+# The denoise inputs the runner derives instead of a row carrying them: the page table and the prefix length (from
+# ``prefix_pages``) and the call's loop cap. Every other input of :mod:`dllm_jax.decode.rows` is a DecodeRow field
+# of the same name, written into a call as it is.
+DERIVED_INPUTS = ("page_table", "prefix_len", "loop_cap")
+ROW_ATTRIBUTES = tuple(f.name for f in row_schema.INPUTS if f.name not in DERIVED_INPUTS)
 
-    tokens: np.ndarray  # [B]
-    immutable: np.ndarray  # [B] bool
-    prefix_pages: list[int]
-    write_page: int
-    steps_taken: int
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    rng_step: int
-    algo_state: dict[str, np.ndarray] | None
+
+@dataclasses.dataclass
+class _HostRow:
+    """A row's host concepts, which the runner turns into inputs (the prefix pages into ``page_table`` and
+    ``prefix_len``, ``penalty`` into the penalty tables, ``chain_pages`` / ``stop_ids`` into the chaining tables)."""
+
+    prefix_pages: list[int] = dataclasses.field(default_factory=list)
+    algo_state: dict[str, np.ndarray] | None = None  # None: the algorithm's fresh state
     refresh: bool = False  # a folded block re-encoded for its exact KV (nothing to decode)
     logprobs: int = -1  # -1: none; 0: the written tokens' log probabilities; k > 0: and the top k alternatives
     penalty: "PenaltyRow | None" = None  # None: no penalty or bias
@@ -60,8 +56,13 @@ class DecodeRow:
     stop_ids: tuple[int, ...] = ()
 
 
-# The denoise inputs (dllm_jax/decode/rows.py) a DecodeRow carries by name: written into a call as they are.
-ROW_ATTRIBUTES = tuple(f.name for f in row_schema.INPUTS if f.name in DecodeRow.__dataclass_fields__)
+# One request's row of a denoise call, as the scheduler describes it: the host concepts above, and a field per
+# carried input of the row schema, generated from it (its default the schema's padding value; an array input's
+# None: all padding). A refresh or warm-up row names only what differs from padding.
+DecodeRow = dataclasses.make_dataclass(
+    "DecodeRow", [(f.name, Any, dataclasses.field(default=None if f.shape else f.pad))
+                  for f in row_schema.INPUTS if f.name in ROW_ATTRIBUTES], bases=(_HostRow,))
+DecodeRow.__module__ = __name__
 
 
 @dataclasses.dataclass
@@ -140,16 +141,6 @@ class Failed:
     """The result of a call that raised."""
 
     error: BaseException
-
-
-def padded_row(block_size: int, **fields) -> DecodeRow:
-    """A row whose inputs not given take their padding values from :mod:`dllm_jax.decode.rows` (decode nothing,
-    change nothing): refresh rows and warm-up rows are these plus what they set."""
-    values = {f.name: (np.full(block_size, f.pad, f.dtype) if f.shape else f.pad)
-              for f in row_schema.INPUTS if f.name in ROW_ATTRIBUTES}
-    values.update(prefix_pages=[], algo_state=None)
-    values.update(fields)
-    return DecodeRow(**values)
 
 
 def fill_penalties(rows: list[DecodeRow], out: dict[str, np.ndarray]) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 from dllm_jax.cache.pages import OutOfPages, PageAllocator
 from dllm_jax.cache.radix import BlockRadixIndex
 from dllm_jax.decode.step import RNG_STEPS_PER_BLOCK
-from dllm_jax.engine.calls import DecodeRow, DenoiseCall, PenaltyRow, PrefillCall, PrefillRow, padded_row
+from dllm_jax.engine.calls import DecodeRow, DenoiseCall, PenaltyRow, PrefillCall, PrefillRow
 from dllm_jax.engine.mask_commit import MaskCommit
 from dllm_jax.engine.policy import Admission, Refuse
 from dllm_jax.engine.request import Phase, Request
@@ -104,8 +104,8 @@ class MaskBlocks(MaskCommit):
             victims = [r for r in self.s.running if r is not requester]
             if not victims:
                 self.s.finish(requester, {"type": "abort", "message": "out of KV pages: the request does not fit "
-                                                                     "in the page pool; raise num_kv_pages"},
-                             keep=True)
+                                                                       "in the page pool; raise num_kv_pages"},
+                              keep=True)
                 return None
             self.s.retract(victims[-1])
             self.radix.evict(n - self.allocator.num_free)
@@ -189,7 +189,7 @@ class MaskBlocks(MaskCommit):
             if page is not None:
                 self.allocator.free([page])
             self.s.finish(req, {"type": "length", "length": len(req.output_ids), "message": "context length reached"},
-                         keep=True)
+                          keep=True)
             return False
         pages = [page] if page is not None else self._alloc(1, req)
         if pages is None:
@@ -221,7 +221,6 @@ class MaskBlocks(MaskCommit):
         reqs = self._runnable(reqs, refresh)
         if not reqs and not refresh:
             return None
-        B = self.B
         loop_cap = self._loop_cap(reqs, refresh)
         # FDFO chains calls of up to CHAIN_MAX_ROWS requests; the synchronous schedule a request running alone (its
         # rows stay in step: a row that goes on while another decodes would leave the batch's block behind)
@@ -232,7 +231,7 @@ class MaskBlocks(MaskCommit):
             for pages in chain_pages.values():  # the wider page table chaining needs is not compiled: no chaining
                 self.allocator.free(pages)
             chain_pages = {}
-        rows = [padded_row(B, tokens=r.stale_tokens, prefix_pages=r.pages[:-1], write_page=r.pages[-1], refresh=True)
+        rows = [DecodeRow(tokens=r.stale_tokens, prefix_pages=r.pages[:-1], write_page=r.pages[-1], refresh=True)
                 for r in refresh]
         rows += [DecodeRow(tokens=r.block_tokens, immutable=r.block_immutable, prefix_pages=r.pages,
                            write_page=r.block_page, steps_taken=r.block_steps, temperature=r.params.temperature,

@@ -21,7 +21,7 @@ from dllm_jax.engine.weight_sync import KIND_WEIGHTS, apply_received, update_tem
 from dllm_jax.decode.packing import RowLayout
 from dllm_jax.decode import rows as row_schema
 from dllm_jax.engine.calls import (ROW_ATTRIBUTES, DecodeOutput, DecodeRow, DenoiseCall, PenaltyRow, Pending,
-                                   PrefillCall, PrefillRow, RowError, fill_penalties, padded_row)
+                                   PrefillCall, PrefillRow, RowError, fill_penalties)
 from dllm_jax.decode.step import (CHAIN_STOP_IDS, PENALTY_PREFIX, STATE_PREFIX, StepSpec, denoise_packed,
                                    init_kv_pages, prefill)
 from dllm_jax.cache.pages import TRASH_PAGE
@@ -379,7 +379,9 @@ class ModelRunner:
     def _fill_row(self, fields: dict, state: dict, i: int, r: DecodeRow, chain: bool, R: int) -> None:
         """Write row ``i`` of a denoise call into the staging views (numpy checks each value against its dtype)."""
         for name in ROW_ATTRIBUTES:  # the input fields a DecodeRow holds under their own name
-            fields[name][i] = getattr(r, name)
+            value = getattr(r, name)
+            if value is not None:  # (None: the padding the staging row already holds)
+                fields[name][i] = value
         fields["page_table"][i, : len(r.prefix_pages)] = r.prefix_pages
         fields["prefix_len"][i] = len(r.prefix_pages) * self.block_size
         if r.algo_state is not None:
@@ -464,8 +466,8 @@ class ModelRunner:
         B = self.block_size
         if key.kind == "denoise":
             lps = -1 if not key.variant & VARIANT_LOGPROBS else (1 if key.variant & VARIANT_TOP else 0)
-            row = padded_row(B, prefix_pages=[TRASH_PAGE] * key.width, temperature=1.0 if key.sampled else 0.0,
-                             logprobs=lps, penalty=PenaltyRow([], 0) if key.variant & VARIANT_PENALTIES else None)
+            row = DecodeRow(prefix_pages=[TRASH_PAGE] * key.width, temperature=1.0 if key.sampled else 0.0,
+                            logprobs=lps, penalty=PenaltyRow([], 0) if key.variant & VARIANT_PENALTIES else None)
             self.denoise([row] * key.rows)
         else:
             self.prefill([PrefillRow(tokens=[0] * (key.blocks * B), prefix_pages=[TRASH_PAGE] * key.width,
