@@ -18,14 +18,14 @@ LEVELS = (1, 2, 4, 16)
 
 
 def chain(ctx: Ctx) -> dict:
-    from dllm_jax.engine import scheduler
+    from dllm_jax.engine import mask_blocks  # its CHAIN_MAX_ROWS decides which calls chain
 
     m = ctx.model("shipped")
     passes = ctx.size("chain_passes", 7, 2)
     max_new = max_new_tokens(ctx, m)
     params = sampling(m, max_new)
     rows, out = [], {"model": m.label, "max_new_tokens": max_new, "levels": {}}
-    default_max_rows = scheduler.CHAIN_MAX_ROWS
+    default_max_rows = mask_blocks.CHAIN_MAX_ROWS
     for level in LEVELS:
         prompts = chat_prompts(m.tokenizer, max(level, 16))
         kw = dict(schedule="fdfo", max_running_requests=level, context_length=512,
@@ -40,13 +40,13 @@ def chain(ctx: Ctx) -> dict:
         try:
             for _ in range(passes + 1):  # the first pass compiles and is thrown away
                 for name, engine in engines.items():
-                    scheduler.CHAIN_MAX_ROWS = 1 << 30 if name == "forced" else default_max_rows
+                    mask_blocks.CHAIN_MAX_ROWS = 1 << 30 if name == "forced" else default_max_rows
                     run = run_requests(engine, prompts, params, level)
                     if name in best and (best[name] is None or run["wall_s"] < best[name]["wall_s"]):
                         best[name] = run
                     best.setdefault(name, None)
         finally:
-            scheduler.CHAIN_MAX_ROWS = default_max_rows
+            mask_blocks.CHAIN_MAX_ROWS = default_max_rows
             for engine in engines.values():
                 engine.shutdown()
         off = best["off"]
