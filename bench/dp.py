@@ -26,36 +26,14 @@ import os
 import platform
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
+from serve.dp import free_port_base
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_base(count: int) -> int:
-    """A port P with P .. P + count all free."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count > 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base + 1, base + count + 1):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
 
 
 def machine() -> dict:
@@ -76,7 +54,7 @@ class Service:
     """``python -m serve --dp K`` in a child process, until :meth:`stop`."""
 
     def __init__(self, dp: int, args: argparse.Namespace, log_path: str, gpus: list[str]):
-        self.port = _free_base(dp)
+        self.port = free_port_base(dp)
         self.base = f"http://127.0.0.1:{self.port}"
         self.workers = [f"http://127.0.0.1:{self.port + 1 + i}" for i in range(dp)]
         env = dict(os.environ, PYTHONPATH=REPO + (os.pathsep + os.environ["PYTHONPATH"]

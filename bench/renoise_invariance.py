@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import tempfile
 
@@ -112,7 +111,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench_out")
     p.add_argument("--prompts", type=int, default=16)
     args = p.parse_args(argv)
-    from bench.common import table
+    from bench.common import table, write_json
 
     prompts = _prompts(args.prompts)
     report = {"prompts": len(prompts), "regimes": {}}
@@ -134,9 +133,7 @@ def main(argv=None) -> int:
     print(f"encoder K/V, same positions: split at the cache boundary vs one chunk {mech['split_vs_whole']:.2e}; "
           f"4 rows vs 1 row {mech['rows4_vs_rows1']:.2e} (values up to {mech['kv_max_abs']:.2f}; float32 eps "
           f"{np.finfo(np.float32).eps:.1e})")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "renoise_invariance.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(os.path.join(args.out, "renoise_invariance.json"), report)
     return 0
 
 

@@ -100,6 +100,12 @@ def _too_deep() -> ApiError:
                     code="body_too_complex")
 
 
+def _too_large(loc: tuple, what: str, count: int, limit: int, unit: str) -> ApiError:
+    where = text_path(loc) or "body"
+    return ApiError(413, f"{where}: {what} of {count:,} {unit}; the limit is {limit:,} {unit} in one "
+                         f"{what.split()[-1]}", where, reason="too_complex", code="body_too_complex")
+
+
 def check_shape(value: Any) -> None:
     """Depth, keys per object, items per array and values in all, within the limits; an :class:`ApiError`
     naming the first object or array over one. Iterative (any depth the parser allows)."""
@@ -111,16 +117,12 @@ def check_shape(value: Any) -> None:
             raise _too_deep()
         if isinstance(node, dict):
             if len(node) > MAX_OBJECT_KEYS:
-                where = text_path(loc) or "body"
-                raise ApiError(413, f"{where}: an object of {len(node):,} keys; the limit is {MAX_OBJECT_KEYS:,} "
-                                    f"keys in one object", where, reason="too_complex", code="body_too_complex")
+                raise _too_large(loc, "an object", len(node), MAX_OBJECT_KEYS, "keys")
             items += len(node)
             children = node.items()
         elif isinstance(node, list):
             if len(node) > MAX_ARRAY_ITEMS:
-                where = text_path(loc) or "body"
-                raise ApiError(413, f"{where}: an array of {len(node):,} items; the limit is {MAX_ARRAY_ITEMS:,} "
-                                    f"items in one array", where, reason="too_complex", code="body_too_complex")
+                raise _too_large(loc, "an array", len(node), MAX_ARRAY_ITEMS, "items")
             items += len(node)
             children = None if _SCALARS.issuperset(map(type, node)) else enumerate(node)  # ids, texts: C speed
         else:

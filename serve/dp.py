@@ -121,6 +121,27 @@ def free_port(preferred: int | None = None) -> int:
     raise OSError("no free port")
 
 
+def free_port_base(count: int) -> int:
+    """A port P with P .. P + count all free on 127.0.0.1 (a router and ``count`` workers; tests and bench.dp)."""
+    for _ in range(100):
+        base = free_port()
+        if base + count > 65535:
+            continue
+        socks = []
+        try:
+            for port in range(base, base + count + 1):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise OSError("no free port range")
+
+
 def router_command(args: argparse.Namespace, urls: list[str]) -> list[str]:
     grace = int(args.shutdown_timeout) + 5
     level = "info" if args.log_level == "debug" else "warn"

@@ -20,7 +20,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ import httpx
 import pytest
 
 from conftest import TEST_XLA_FLAGS
+from serve.dp import free_port_base
 
 pytestmark = pytest.mark.slow  # (sglang-router comes with the test extra: these never skip)
 
@@ -70,32 +70,9 @@ def chat_text(prompt: str) -> str:
     return f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def _free_base() -> int:
-    """A port P with P, P + 1 and P + 2 free (the router and two workers)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base > 65000:
-            continue
-        try:
-            socks = []
-            for p in (base + 1, base + 2):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no three consecutive free ports")
-
-
 class Launcher:
     def __init__(self, log_path):
-        self.port = _free_base()
+        self.port = free_port_base(2)
         self.base = f"http://127.0.0.1:{self.port}"
         self.workers = [f"http://127.0.0.1:{self.port + 1}", f"http://127.0.0.1:{self.port + 2}"]
         self.log_path = str(log_path)

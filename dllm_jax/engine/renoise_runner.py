@@ -220,8 +220,10 @@ class RenoiseRunner:
     def _collect_denoise(self, pending) -> DenoiseResult:
         steps, top = pending
         s = self.state
-        finished, argmax, logprob, steps, entropy = jax.device_get((s.finished, s.argmax, s.logprob, steps, s.entropy))
-        top_lp, top_ids = jax.device_get((s.top_logprob, s.top_ids)) if top else (None, None)
+        tops = (s.top_logprob, s.top_ids) if top else ()
+        finished, argmax, logprob, steps, entropy, *tops = jax.device_get(
+            (s.finished, s.argmax, s.logprob, steps, s.entropy, *tops))  # one transfer
+        top_lp, top_ids = tops if top else (None, None)
         self.calls["denoise"] += 1
         self.calls["steps"] += int(steps.max(initial=0))
         return DenoiseResult(np.asarray(finished), np.asarray(argmax), np.asarray(logprob), np.asarray(steps),
