@@ -44,22 +44,30 @@ def _is_kept(x) -> bool:
 
 def release_runner(runner, tags) -> None:
     """Free ``runner``'s device memory of ``tags``: the weights (a host copy kept) and / or the page pool (its layout
-    kept). Runs on the leader and, sent down the channel, on every follower (each frees its own shards)."""
+    kept). Runs on the leader and, sent down the channel, on every follower (each frees its own shards).
+
+    ``runner.released`` is what another thread polls (a follower applies this from its channel thread), so a tag
+    appears there only once its arrays are deleted, and leaves it only once the restored arrays are in place."""
     kept = runner.released
     if "weights" in tags and "weights" not in kept:
-        kept["weights"] = jax.tree.map(lambda a: _Kept(a, keep_value=True), runner.params)
+        host = jax.tree.map(lambda a: _Kept(a, keep_value=True), runner.params)
         for a in jax.tree.leaves(runner.params):
             a.delete()
+        kept["weights"] = host
     if "kv_cache" in tags and "kv_cache" not in kept:
-        kept["kv_cache"] = jax.tree.map(lambda a: _Kept(a, keep_value=False), runner.kv_pages)
+        layout = jax.tree.map(lambda a: _Kept(a, keep_value=False), runner.kv_pages)
         for a in jax.tree.leaves(runner.kv_pages):
             a.delete()
+        kept["kv_cache"] = layout
 
 
 def resume_runner(runner, tags) -> None:
-    """Bring ``tags`` back on ``runner``: the weights as released, an empty pool."""
+    """Bring ``tags`` back on ``runner``: the weights as released, an empty pool (published before the tag leaves
+    ``runner.released``; see :func:`release_runner`)."""
     kept = runner.released
     if "weights" in tags and "weights" in kept:
-        runner.params = jax.tree.map(_Kept.restore, kept.pop("weights"), is_leaf=_is_kept)
+        runner.params = jax.tree.map(_Kept.restore, kept["weights"], is_leaf=_is_kept)
+        del kept["weights"]
     if "kv_cache" in tags and "kv_cache" in kept:
-        runner.kv_pages = jax.tree.map(_Kept.zeros, kept.pop("kv_cache"), is_leaf=_is_kept)
+        runner.kv_pages = jax.tree.map(_Kept.zeros, kept["kv_cache"], is_leaf=_is_kept)
+        del kept["kv_cache"]
