@@ -33,6 +33,7 @@ from dllm_jax.decode.rows import MAX_TOP_LOGPROBS
 from dllm_jax.engine.calls import Pending
 from dllm_jax.engine.compilation import Compiler, pow2_buckets
 from dllm_jax.model import gemma
+from dllm_jax.model import vision as vision_model
 from pallas_kernels import next_pow2
 
 
@@ -44,6 +45,8 @@ class EncodeCall:
     tokens: list[list[int]]
     starts: list[int]
     tables: dict  # kind -> [rows, width] int32 page ids
+    # per row, the images whose tokens are in its chunk: (image, offset in the chunk, first soft token, count)
+    images: list | None = None
 
 
 @dataclasses.dataclass
@@ -93,8 +96,9 @@ class RenoiseRunner:
 
     def __init__(self, params, cfg: ModelConfig, rcfg: renoise.RenoiseConfig, *, num_pages: dict, page_size: int,
                  max_rows: int, max_pages_per_row: int, max_chunk: int, first_finish: bool = True,
-                 backend: str = "xla", dtype=jnp.float32):
+                 backend: str = "xla", dtype=jnp.float32, vision=None):
         self.params, self.cfg, self.rcfg = params, cfg, rcfg
+        self.vision = vision  # (tower params, VisionConfig) of a checkpoint served with images, else None
         self.page_size, self.max_rows, self.dtype = page_size, max_rows, jnp.dtype(dtype)
         self.first_finish = first_finish
         self.widths = pow2_buckets(max_pages_per_row)
@@ -109,6 +113,8 @@ class RenoiseRunner:
         self.state = jax.tree.map(lambda a: jnp.array(a, copy=True), state)  # own buffers: the state is donated
         self.calls = {"encode": 0, "denoise": 0, "steps": 0}
         self._encode = jax.jit(functools.partial(gemma.encode_chunk, cfg=cfg), donate_argnames="kv_pages")
+        if vision is not None:
+            self._vision = jax.jit(functools.partial(vision_model.image_features, vcfg=vision[1]))
         self._denoise = jax.jit(functools.partial(_denoise_loop, cfg=cfg, rcfg=rcfg, backend=backend),
                                 donate_argnames="state", static_argnames=("first_finish", "top_k"))
 
@@ -192,11 +198,23 @@ class RenoiseRunner:
         for i, (toks, start) in enumerate(zip(call.tokens, call.starts)):
             tokens[i, :len(toks)], counts[i], starts[i] = toks, len(toks), start
         tables = {k: _pad(v, rows, key.width) for k, v in call.tables.items()}
+        images = self._image_inputs(call, rows, chunk) if call.images and any(call.images) else None
         self.pool = self._encode(self.params, tokens=jnp.asarray(tokens), prefix_len=jnp.asarray(starts),
                                  num_tokens=jnp.asarray(counts), kv_pages=self.pool,
-                                 page_tables={k: jnp.asarray(v) for k, v in tables.items()})
-        self.compiler.ran(key)
+                                 page_tables={k: jnp.asarray(v) for k, v in tables.items()}, images=images)
+        if images is None:  # (an encode with images compiles its own executables, per image-count bucket)
+            self.compiler.ran(key)
         self.calls["encode"] += 1
+
+    def _image_inputs(self, call: EncodeCall, rows: int, chunk: int):
+        """The tower's soft tokens for the call's images (one tower call) and where each goes: ``encode_chunk``'s
+        ``images`` argument."""
+        vparams, vcfg = self.vision
+        pixels, positions, slots = vision_model.tower_batch([e[0] for row in call.images for e in row or ()])
+        features = self._vision(vparams, jnp.asarray(pixels), jnp.asarray(positions))  # [N, L, H]
+        index, group = vision_model.placement(rows, chunk, features.shape[1], call.images, slots,
+                                              vcfg.bidirectional)
+        return features.reshape(-1, features.shape[-1]), jnp.asarray(index), jnp.asarray(group)
 
     def denoise(self, call: DenoiseCall) -> DenoiseResult:
         return self._collect_denoise(self._dispatch_denoise(call))
