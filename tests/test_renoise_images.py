@@ -26,7 +26,7 @@ from dllm_jax.decode import renoise  # noqa: E402
 from dllm_jax.decode.renoise_loop import RenoiseLoop  # noqa: E402
 from dllm_jax.engine.images import ImageInputs  # noqa: E402
 from dllm_jax.model.loader import load_model  # noqa: E402
-from dllm_jax.model.vision import VisionConfig, image_features  # noqa: E402
+from dllm_jax.model.vision import VisionConfig, image_features_jit  # noqa: E402
 from dllm_jax.model.vision_params import load_vision_params  # noqa: E402
 from dllm_jax.testing.diffusion_gemma import FULL, SLIDING, write_tiny_diffusion_gemma  # noqa: E402
 from test_renoise import _DraftRecorder, _our_run, _Replay, _sampler  # noqa: E402
@@ -46,16 +46,26 @@ def _png(seed: int, size=(20, 28)) -> bytes:
     return buf.getvalue()
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("dg_images")
-    # window 6 is shorter than an image (tens of tokens): an image token sees its whole image all the same
-    model = write_tiny_diffusion_gemma(path, canvas_length=4, tie=False, sliding_window=6, num_hidden_layers=2,
+def _checkpoint(path, window):
+    model = write_tiny_diffusion_gemma(path, canvas_length=4, tie=False, sliding_window=window, num_hidden_layers=2,
                                        layer_types=[SLIDING, FULL], use_bidirectional_attention="vision")
     loaded = load_model(path)
     vcfg = VisionConfig.from_model_dir(str(path))
     vision = (load_vision_params(str(path), vcfg, loaded.config.hidden_size, jnp.float32), vcfg)
     return str(path), model, loaded, vision
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    # window 6 is shorter than an image (tens of tokens): an image token sees its whole image all the same
+    return _checkpoint(tmp_path_factory.mktemp("dg_images"), 6)
+
+
+@pytest.fixture(scope="module")
+def engine_checkpoint(tmp_path_factory):
+    # window 80, longer than an image (as the published 512 is longer than its 280 soft tokens): a cached prefix
+    # may end inside an image
+    return _checkpoint(tmp_path_factory.mktemp("dg_images_engine"), 80)
 
 
 def _reference(model, ids, images, spans, rcfg, randint, multinomial, max_new):
@@ -73,6 +83,86 @@ def _reference(model, ids, images, spans, rcfg, randint, multinomial, max_new):
     return out.sequences[0].tolist(), recorder.drafts
 
 
+def _vision_config(**kw) -> VisionConfig:
+    base = dict(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=8,
+                patch_size=4, pooling_kernel_size=2, position_embedding_size=64, rope_theta=100.0, rms_norm_eps=1e-6,
+                clipped_linears=False, standardize=False, image_token_id=IMAGE, boi_token_id=VOCAB - 2,
+                eoi_token_id=VOCAB - 1, bidirectional=True)
+    return VisionConfig(**{**base, **kw})
+
+
+def test_images_in(tmp_path):
+    """Every way of sending an image reads the same pixels (one digest); prompts expand as transformers' processor
+    expands them; the prefix keys of image tokens are their image's digest; bad input names the field."""
+    from PIL import Image
+
+    from dllm_jax.engine.images import cache_keys
+
+    (tmp_path / "preprocessor_config.json").write_text('{"max_soft_tokens": 70}')
+    reader = ImageInputs(str(tmp_path), _vision_config())
+    png = _png(3)
+    file = tmp_path / "a.png"
+    file.write_bytes(png)
+    b64 = base64.b64encode(png).decode()
+    same = reader.prepare([png, str(file), b64, "data:image/png;base64," + b64, Image.open(io.BytesIO(png))])
+    assert len({img.digest for img in same}) == 1 and same[0].pixel_values.shape == (280, 48)
+    jpeg = io.BytesIO()
+    Image.open(io.BytesIO(_png(4))).save(jpeg, format="JPEG")
+    a, b = reader.prepare([png, jpeg.getvalue()])
+    assert a.digest != b.digest
+    ids, spans = reader.expand([1, IMAGE, 2, IMAGE], [a, b])
+    n, m = a.num_soft_tokens, b.num_soft_tokens
+    assert ids == [1, VOCAB - 2] + [IMAGE] * n + [VOCAB - 1, 2, VOCAB - 2] + [IMAGE] * m + [VOCAB - 1]
+    assert spans == ((2, n, 0), (5 + n, m, 1))
+    keys = cache_keys(ids, [a, b], spans)
+    assert keys[:2] == ids[:2] and keys[2:2 + n] == [a.digest] * n and keys[5 + n:5 + n + m] == [b.digest] * m
+    for item, match in [(b"not an image", "image_data: not an image"),
+                        (["http://example.com/a.png"], r"image_data\[0\]: http\(s\) URLs are not fetched"),
+                        ("data:text/plain;base64,aGk=", "image_data: a data URL must be"),
+                        ("%%%", "image_data: not an image"), ([png] * 17, "image_data: 17 images, at most 16"),
+                        (3.5, "image_data: must be image bytes")]:
+        with pytest.raises(ValueError, match=match):
+            reader.prepare(item)
+    with pytest.raises(ValueError, match=r"image_data: 1 image\(s\) but the prompt has 2 image token"):
+        reader.expand([IMAGE, IMAGE], [a])
+
+
+def test_chunks_keep_images_whole():
+    """An encode chunk never cuts an image (it stops before it, or runs to its end); a cached prefix may end inside
+    an image shorter than the window (the next chunk holds its rest), and stops before one as long as the window
+    (bidirectional vision attention would read its first tokens beyond the window)."""
+    from types import SimpleNamespace
+
+    from dllm_jax.engine.canvases import Canvases
+    from dllm_jax.engine.request import Request
+    from dllm_jax.engine.sampling import SamplingParams
+    from dllm_jax.model.gemma import FULL_KIND, SLIDING_KIND
+
+    image = SimpleNamespace(digest=b"d")
+    prompt = [7] * 18 + [IMAGE] * 40 + [8] * 30
+    spans = ((18, 40, 0),)
+    req = Request("r", prompt, SamplingParams.from_dict({}), 0, images=(image,), image_spans=spans,
+                  prompt_keys=[7] * 18 + [b"d"] * 40 + [8] * 30)
+    for window, cached in ((64, 48), (40, 16)):  # the image is shorter than the window / as long as it
+        runner = SimpleNamespace(page_size=16, num_pages={FULL_KIND: 32, SLIDING_KIND: 32},
+                                 vision=(None, _vision_config()))
+        policy = Canvases(runner, canvas=4, window=window, max_running_requests=2, max_prefill_tokens=32)
+        policy._kv_len[req] = 0
+        assert policy._chunk_end(req) == 18  # stops before the image
+        policy._kv_len[req] = 18
+        assert policy._chunk_end(req) == 58 and policy._chunk_images(req, 40) == [(image, 0, 0, 40)]
+        pages = policy.full.alloc(3)
+        policy.index.insert(req.cache_keys[:48], pages, policy.sliding.alloc(3))
+        full, _ = policy._match(req)
+        assert len(full) * 16 == cached
+        if cached == 48:  # the next chunk: the image's rest, then text
+            policy._kv_len[req] = 48
+            assert policy._chunk_end(req) == 80 and policy._chunk_images(req, 32) == [(image, 0, 30, 10)]
+        other = Request("o", prompt, SamplingParams.from_dict({}), 0, images=(image,), image_spans=spans,
+                        prompt_keys=[7] * 18 + [b"e"] * 40 + [8] * 30)
+        assert len(policy._match(other)[0]) == 1  # another image: its text page only
+
+
 def test_tower_features_equal_transformers(tmp_path):
     """Clipped linears, standardize and grouped KV heads in the tower (the fixture's tower has none of them)."""
     model = write_tiny_diffusion_gemma(tmp_path, canvas_length=4, num_hidden_layers=2, layer_types=[SLIDING, FULL],
@@ -85,12 +175,13 @@ def test_tower_features_equal_transformers(tmp_path):
     positions = np.stack([img.positions for img in images])
     with torch.no_grad():
         want = model.model.encoder.get_image_features(torch.tensor(pixels), torch.tensor(positions).long())
-    ours = np.asarray(image_features(vparams, jnp.asarray(pixels), jnp.asarray(positions), vcfg))
+    ours = np.asarray(image_features_jit(vparams, jnp.asarray(pixels), jnp.asarray(positions), vcfg=vcfg))
     ours = np.concatenate([ours[i, :img.num_soft_tokens] for i, img in enumerate(images)])
     np.testing.assert_allclose(ours, want.pooler_output.numpy(), rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("count", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("count", [1, 2])
 def test_replay_with_images_equals_transformers(checkpoint, count):
     path, model, loaded, vision = checkpoint
     reader = ImageInputs(path, vision[1])
@@ -110,3 +201,73 @@ def test_replay_with_images_equals_transformers(checkpoint, count):
     changed = loop.generate([ids], [8], [7], images=[[(other[k], s, n) for s, n, k in spans]])[0]
     assert changed.output_ids != ours.output_ids
 
+
+
+@pytest.fixture(scope="module")
+def engine(engine_checkpoint):
+    path = engine_checkpoint[0]
+    eng = dllm_jax.Engine(model_path=path, warmup=False, max_running_requests=2,
+                          algorithm_config={"max_denoising_steps": EXACT.max_denoising_steps,
+                                            "entropy_bound": EXACT.entropy_bound, "t_min": EXACT.t_min,
+                                            "t_max": EXACT.t_max})
+    yield eng
+    eng.shutdown()
+
+
+TEXT = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 12, 30, 4, 11, 7, 7, 19, IMAGE, 41, 9, 8]  # a page of text first
+
+
+def _params(seed=3):
+    return {"max_new_tokens": 8, "seed": seed, "ignore_eos": True}
+
+
+@pytest.mark.slow
+def test_engine_with_an_image(engine_checkpoint, engine, tmp_path):
+    """Every way of sending an image gives the loop's answer; the same image reuses its pages, another does not."""
+    path, _, loaded, vision = engine_checkpoint
+    png = _png(21)
+    reader = ImageInputs(path, vision[1])
+    images = reader.prepare([png])
+    ids, spans = reader.expand(TEXT, images)
+    loop = RenoiseLoop(loaded.params, loaded.config, EXACT, vision=vision)
+    want = loop.generate([ids], [8], [3], images=[[(images[0], spans[0][0], spans[0][1])]])[0].output_ids
+    file = tmp_path / "image.png"
+    file.write_bytes(png)
+    b64 = base64.b64encode(png).decode()
+    engine.flush_cache()
+    outs = [engine.generate(input_ids=TEXT, image_data=item, sampling_params=_params())
+            for item in (png, str(file), b64, "data:image/png;base64," + b64)]
+    engine.scheduler.check_pages()
+    assert [o["output_ids"] for o in outs] == [want] * 4
+    cached = [o["meta_info"]["cached_tokens"] for o in outs]
+    # the image's pages reused: five pages, the last ending inside the image (its rest encoded with the prompt's)
+    assert cached == [0, 80, 80, 80] and spans[0][0] < 80 < sum(spans[0][:2])
+    # another image after the same text: only the text's page is reused, and the answer is the other image's
+    other = _png(22)
+    other_images = reader.prepare([other])
+    other_want = loop.generate([ids], [8], [3], images=[[(other_images[0], spans[0][0], spans[0][1])]])[0]
+    out = engine.generate(input_ids=TEXT, image_data=[other], sampling_params=_params())
+    assert out["meta_info"]["cached_tokens"] == 16 and out["output_ids"] == other_want.output_ids
+    assert other_want.output_ids != want
+    # the text alone (its image token an ordinary token, as transformers without pixel_values): no image pages
+    plain = engine.generate(input_ids=ids, sampling_params=_params())
+    assert plain["meta_info"]["cached_tokens"] == 16
+    engine.scheduler.check_pages()
+
+
+@pytest.mark.slow
+def test_bad_images_name_the_field(engine, tmp_path):
+    png = _png(5)
+    cases = [(b"not an image", "image_data: not an image"),
+             (["https://example.com/cat.png"], "image_data\\[0\\]: http\\(s\\) URLs are not fetched"),
+             ("data:text/plain;base64,aGk=", "image_data: a data URL must be"),
+             ([png] * 17, "image_data: 17 images, at most 16"),
+             ([png, png], "image_data: 2 image\\(s\\) but the prompt has 1 image token"),
+             (12, "image_data: must be image bytes")]
+    for item, match in cases:
+        with pytest.raises(ValueError, match=match):
+            engine.generate(input_ids=TEXT, image_data=item, sampling_params=_params())
+    with pytest.raises(ValueError, match="image_data\\[1\\]: not an image"):
+        engine.generate(input_ids=[TEXT, TEXT], image_data=[png, b"junk"], sampling_params=_params())
+    with pytest.raises(ValueError, match="image_data: for a batch of 2 prompts"):
+        engine.generate(input_ids=[TEXT, TEXT], image_data=png, sampling_params=_params())

@@ -85,20 +85,28 @@ class Canvases:
         return Admission.ADMIT
 
     def _match(self, req: Request) -> tuple[list[int], list[int]]:
-        """The longest cached prefix (keyed by :attr:`Request.cache_keys`) that does not end inside an image: an
-        image's tokens are always encoded in one chunk (they may attend to each other both ways)."""
+        """The longest cached prefix (keyed by :attr:`Request.cache_keys`: an image's tokens by its digest). It may
+        end inside an image (the next chunk then holds the image's rest), except where an image's tokens attend
+        to each other both ways and the image is as long as the window: its rest would read its first tokens
+        through sliding layers beyond the window, which the sliding pool does not keep; such a match stops
+        before the image."""
         keys = req.cache_keys
+        vision = self.runner.vision
+        if vision is None or not vision[1].bidirectional or self.window is None:
+            return self.index.match(keys)
         while True:
             full, sliding = self.index.match(keys)
             end = len(full) * self.S
-            cut = next((start for start, count, _ in req.image_spans if start < end < start + count), None)
+            cut = next((start for start, count, _ in req.image_spans
+                        if start < end < start + count and count >= self.window), None)
             if cut is None:
                 return full, sliding
             keys = keys[:cut]
 
     def _chunk_end(self, req: Request) -> int:
         """Where the request's next encode chunk ends: ``max_prefill_tokens`` on, moved back to the start of an
-        image it would cut (or on to the image's end, when the chunk starts at the image)."""
+        image it would cut (or on to the image's end, when the chunk starts at or inside the image): an image's
+        tokens are encoded together (they may attend to each other both ways)."""
         start = self._kv_len.get(req, 0)
         end = min(req.real_len, start + self.chunk)
         for first, count, _ in req.image_spans:
@@ -210,11 +218,11 @@ class Canvases:
                           images if any(images) else None)
 
     def _chunk_images(self, req: Request, length: int) -> list:
-        """The images whose tokens the request's next chunk (``length`` tokens) holds, whole: (image, offset in
-        the chunk, first soft token, count)."""
+        """The images whose tokens the request's next chunk (``length`` tokens) holds (an image's rest, after a
+        cached prefix that ends inside it): (image, offset in the chunk, first soft token, count)."""
         start = self._kv_len[req]
-        return [(req.images[k], first - start, 0, count) for first, count, k in req.image_spans
-                if start <= first and first + count <= start + length]
+        return [(req.images[k], max(0, first - start), max(0, start - first), first + count - max(first, start))
+                for first, count, k in req.image_spans if first + count > start and first < start + length]
 
     def _commit_encode(self, call: EncodeCall) -> None:
         self.s.stats["prefill_forwards"] += 1

@@ -127,13 +127,13 @@ class ImageInputs:
         self.soft_tokens = self.max_patches // vcfg.pooling_kernel_size ** 2  # the tower's output rows per image
 
     def prepare(self, items, field: str = "image_data") -> list[PreparedImage]:
-        if not isinstance(items, (list, tuple)):
-            items = [items]
+        listed = isinstance(items, (list, tuple))
+        items = list(items) if listed else [items]
         if len(items) > MAX_IMAGES_PER_REQUEST:
             raise ValueError(f"{field}: {len(items)} images, at most {MAX_IMAGES_PER_REQUEST} per request")
         out = []
         for i, item in enumerate(items):
-            where = f"{field}[{i}]"
+            where = f"{field}[{i}]" if listed else field
             image = _decode(item, where)
             try:
                 batch = self.processor(images=[image.convert("RGB")], return_tensors="np")
