@@ -271,3 +271,58 @@ def test_bad_images_name_the_field(engine, tmp_path):
         engine.generate(input_ids=[TEXT, TEXT], image_data=[png, b"junk"], sampling_params=_params())
     with pytest.raises(ValueError, match="image_data: for a batch of 2 prompts"):
         engine.generate(input_ids=[TEXT, TEXT], image_data=png, sampling_params=_params())
+
+
+@pytest.mark.slow
+def test_server_images(tmp_path):
+    """/generate ``image_data`` and OpenAI ``image_url`` parts (data URLs) answer as the engine does; http(s) URLs,
+    local paths, non-images are 400s naming the field."""
+    from fastapi.testclient import TestClient
+
+    from dllm_jax.testing.tokenizer_files import write_gemma_tokenizer
+    from serve import ServerSettings, create_app
+
+    ids = write_gemma_tokenizer(str(tmp_path), images=True)
+    write_tiny_diffusion_gemma(tmp_path, canvas_length=4, tie=False, sliding_window=80, num_hidden_layers=2,
+                               layer_types=[SLIDING, FULL], vocab_size=408, use_bidirectional_attention="vision",
+                               eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]])
+    assert ids["<|image|>"] == 405
+    eng = dllm_jax.Engine(model_path=str(tmp_path), warmup=False, max_running_requests=2,
+                          algorithm_config={"max_denoising_steps": 3})
+    png = _png(31)
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    params = {"max_new_tokens": 8, "seed": 5, "ignore_eos": True}
+    text = "look at <|image|> and count"
+    want = eng.generate(prompt=text, image_data=png, sampling_params=params)
+    app = create_app(eng, ServerSettings(), own_engine=False)
+    with TestClient(app, base_url="http://localhost") as client:
+        out = client.post("/generate", json={"text": text, "image_data": url, "sampling_params": params}).json()
+        assert out["output_ids"] == want["output_ids"] and out["meta_info"]["prompt_tokens"] > 40
+        batch = client.post("/generate", json={"text": [text, "plain text"], "image_data": [[url], None],
+                                               "sampling_params": params}).json()
+        assert batch[0]["output_ids"] == want["output_ids"]
+        for body, param in [({"text": text, "image_data": "https://example.com/a.png"}, "image_data"),
+                            ({"text": text, "image_data": str(tmp_path / "config.json")}, "image_data"),
+                            ({"text": [text, text], "image_data": [url, "data:image/png;base64,AAAA"]},
+                             "image_data[1]"),
+                            ({"text": text, "image_data": [url, url]}, "image_data"),
+                            ({"text": [text, text], "image_data": url}, "image_data")]:
+            r = client.post("/generate", json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.json())
+        chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "look at "},
+                                                          {"type": "image_url", "image_url": {"url": url}},
+                                                          {"type": "text", "text": " and count"}]}],
+                "max_tokens": 8, "seed": 5}
+        r = client.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 40, r.json()
+        templated = eng.apply_chat_template([{"role": "user", "content": text}])
+        ref = eng.generate(prompt=templated, image_data=png, sampling_params={**params, "ignore_eos": False})
+        assert r.json()["choices"][0]["message"]["content"] == ref["text"]
+        for part, param in [({"url": "https://example.com/a.png"}, "messages"),
+                            ({"url": "data:image/png;base64,AAAA"}, "messages[0].content[1].image_url")]:
+            bad = {**chat, "messages": [{"role": "user", "content": [{"type": "text", "text": "x"},
+                                                                     {"type": "image_url", "image_url": part}]}]}
+            r = client.post("/v1/chat/completions", json=bad)
+            assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), r.json()
+            assert "image_url" in r.json()["error"]["message"]
+    eng.shutdown()

@@ -44,8 +44,9 @@ class PreparedImage:
     digest: bytes
 
 
-def _decode(item, field: str):
-    """A PIL image from one ``image_data`` item (bytes / path / base64 / data URL / PIL image)."""
+def _decode(item, field: str, allow_paths: bool = True):
+    """A PIL image from one ``image_data`` item (bytes / path / base64 / data URL / PIL image; a path only with
+    ``allow_paths``: from Python, never from a server's client)."""
     from PIL import Image
 
     if isinstance(item, Image.Image):
@@ -61,7 +62,7 @@ def _decode(item, field: str):
             if not head.lower().startswith("data:image/") or ";base64" not in head.lower():
                 raise ValueError(f"{field}: a data URL must be 'data:image/<type>;base64,<data>'")
             data = _b64(payload, field)
-        elif len(text) < 4096 and os.path.isfile(text):
+        elif allow_paths and len(text) < 4096 and os.path.isfile(text):
             if os.path.getsize(text) > MAX_IMAGE_BYTES:
                 raise ValueError(f"{field}: the image file is larger than {MAX_IMAGE_BYTES} bytes")
             with open(text, "rb") as f:
@@ -126,7 +127,8 @@ class ImageInputs:
         self.max_patches = self.processor.max_soft_tokens * self.processor.pooling_kernel_size ** 2
         self.soft_tokens = self.max_patches // vcfg.pooling_kernel_size ** 2  # the tower's output rows per image
 
-    def prepare(self, items, field: str = "image_data") -> list[PreparedImage]:
+    def prepare(self, items, field: str = "image_data", *, allow_paths: bool = True) -> list[PreparedImage]:
+        """The images of one prompt (one item or a list; prepared ones pass through)."""
         listed = isinstance(items, (list, tuple))
         items = list(items) if listed else [items]
         if len(items) > MAX_IMAGES_PER_REQUEST:
@@ -134,7 +136,10 @@ class ImageInputs:
         out = []
         for i, item in enumerate(items):
             where = f"{field}[{i}]" if listed else field
-            image = _decode(item, where)
+            if isinstance(item, PreparedImage):
+                out.append(item)
+                continue
+            image = _decode(item, where, allow_paths)
             try:
                 batch = self.processor(images=[image.convert("RGB")], return_tensors="np")
             except ValueError as e:  # an image too thin to resize into the patch grid
