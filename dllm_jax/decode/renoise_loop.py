@@ -76,9 +76,9 @@ class RenoiseLoop:
         for r, p in enumerate(prompts):
             tokens[r, :len(p)] = p
         lengths = np.asarray([len(p) for p in prompts], np.int32)
+        extra = {"images": self._images(images, rows, chunk)} if images and any(images) else {}
         pool = self._encode(self.params, tokens=jnp.asarray(tokens), prefix_len=jnp.zeros(rows, jnp.int32),
-                            num_tokens=jnp.asarray(lengths), kv_pages=pool, page_tables=tables,
-                            images=self._images(images, rows, chunk))
+                            num_tokens=jnp.asarray(lengths), kv_pages=pool, page_tables=tables, **extra)
         seeds_dev = jnp.asarray(np.asarray(seeds, np.int64).astype(np.uint32))
         results = [RowResult([], "length", 0, [], []) for _ in range(rows)]
         done = np.zeros(rows, bool)
@@ -139,8 +139,6 @@ class RenoiseLoop:
         return results
 
     def _images(self, images, rows: int, chunk: int):
-        if not images or not any(images):
-            return None
         vparams, vcfg = self.vision
         entries = [[(img, first, 0, count) for img, first, count in row or ()] for row in images]
         pixels, positions, slots = vision.tower_batch([e[0] for row in entries for e in row])

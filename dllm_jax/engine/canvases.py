@@ -18,6 +18,9 @@ run out the cache gives back sliding pages, then whole leaves, then the newest o
 same draws). Prefix reuse: complete pages of encoded real tokens enter the index as they are encoded (and when a
 request finishes or is retracted); an admitted request starts from the longest cached prefix whose window is
 cached too, and encodes only the rest.
+
+Images (:mod:`dllm_jax.engine.images`): the index keys an image's tokens by its image's digest, and a chunk never
+cuts an image (its tokens may attend to each other both ways): it stops before the image, or runs to its end.
 """
 
 from __future__ import annotations

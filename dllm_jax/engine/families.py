@@ -141,7 +141,8 @@ def build_canvases(engine, loaded, o, channel):
                                   page_size=S, max_rows=o.max_running_requests,
                                   max_pages_per_row=-(-engine.context_length // S), max_chunk=chunk,
                                   first_finish=o.schedule != "sync", backend=engine.confidence_backend,
-                                  dtype=o.dtype, vision=vision)
+                                  dtype=o.dtype, vision=vision,
+                                  vision_patches=engine.images.max_patches if vision else 0)
     engine.output = Output(engine.tokenizer, block_size=C, mask_token_id=None)
     policy = Canvases(engine.runner, canvas=C, window=window, max_running_requests=o.max_running_requests,
                       max_steps_per_call=o.max_steps_per_call or 1 << 30, max_prefill_tokens=chunk,
