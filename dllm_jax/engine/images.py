@@ -61,14 +61,14 @@ def _decode(item, field: str, allow_paths: bool = True):
             head, _, payload = text.partition(",")
             if not head.lower().startswith("data:image/") or ";base64" not in head.lower():
                 raise ValueError(f"{field}: a data URL must be 'data:image/<type>;base64,<data>'")
-            data = _b64(payload, field)
+            data = _b64(payload, field, "")
         elif allow_paths and len(text) < 4096 and os.path.isfile(text):
             if os.path.getsize(text) > MAX_IMAGE_BYTES:
                 raise ValueError(f"{field}: the image file is larger than {MAX_IMAGE_BYTES} bytes")
             with open(text, "rb") as f:
                 data = f.read()
         else:
-            data = _b64(text, field)
+            data = _b64(text, field, "a file path, " if allow_paths else "")
     elif isinstance(item, (bytes, bytearray, memoryview)):
         data = bytes(item)
     else:
@@ -89,13 +89,13 @@ def _decode(item, field: str, allow_paths: bool = True):
     return image
 
 
-def _b64(text: str, field: str) -> bytes:
+def _b64(text: str, field: str, path: str = "") -> bytes:
     if len(text) > 4 * MAX_IMAGE_BYTES // 3 + 4:
         raise ValueError(f"{field}: the image is larger than {MAX_IMAGE_BYTES} bytes")
     try:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
-        raise ValueError(f"{field}: not an image (neither a file path, nor base64, nor a data URL)") from None
+        raise ValueError(f"{field}: not an image (not {path}base64 or a data URL)") from None
 
 
 def _processor_settings(model_dir: str, vcfg) -> dict:
