@@ -253,6 +253,24 @@ def test_engine_with_an_image(engine_checkpoint, engine, tmp_path):
     plain = engine.generate(input_ids=ids, sampling_params=_params())
     assert plain["meta_info"]["cached_tokens"] == 16
     engine.scheduler.check_pages()
+    # a batch: rows with different images encode together (one tower call), each answering as alone
+    engine.flush_cache()
+    outs = engine.generate(input_ids=[TEXT, TEXT], image_data=[other, png], sampling_params=[_params()] * 2)
+    assert [o["output_ids"] for o in outs] == [other_want.output_ids, want]
+    # two images in one prompt, and prompts chunked by 16 tokens (a chunk stops before an image, or holds all of it)
+    two = TEXT + [3, IMAGE, 5]
+    both = reader.prepare([png, other])
+    ids2, spans2 = reader.expand(two, both)
+    want2 = loop.generate([ids2], [8], [3], images=[[(both[k], s, n) for s, n, k in spans2]])[0].output_ids
+    assert engine.generate(input_ids=two, image_data=[png, other], sampling_params=_params())["output_ids"] == want2
+    chunked = dllm_jax.Engine(model_path=path, warmup=False, max_running_requests=2, max_prefill_tokens=16,
+                              algorithm_config=engine.engine_config.algorithm_config)
+    try:
+        outs = chunked.generate(input_ids=[two, TEXT], image_data=[[png, other], png], sampling_params=[_params()] * 2)
+        assert [o["output_ids"] for o in outs] == [want2, want]
+        chunked.scheduler.check_pages()
+    finally:
+        chunked.shutdown()
 
 
 @pytest.mark.slow
