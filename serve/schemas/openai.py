@@ -188,6 +188,16 @@ class ImageURL(_Strict):
     url: str
     detail: Literal["auto", "low", "high"] | None = None  # accepted; an image is read at the processor's budget
 
+    @field_validator("url")
+    @classmethod
+    def _data_url(cls, v):
+        if v[:8].lower().startswith(("http://", "https://")):
+            raise ValueError("http(s) URLs are not fetched (the server fetches nothing); send the image as a data "
+                             "URL (data:image/png;base64,...)")
+        if not v[:11].lower().startswith("data:image/"):
+            raise ValueError("must be a data URL (data:image/<type>;base64,<data>)")
+        return v
+
 
 class ImagePart(_Strict):
     """An ``image_url`` part: a data URL (``data:image/png;base64,...``); http(s) URLs are refused, the server
@@ -195,16 +205,6 @@ class ImagePart(_Strict):
 
     type: Literal["image_url"]
     image_url: ImageURL
-
-    @field_validator("image_url")
-    @classmethod
-    def _data_url(cls, v):
-        if v.url[:8].lower().startswith(("http://", "https://")):
-            raise ValueError("image_url.url: http(s) URLs are not fetched (the server fetches nothing); send the "
-                             "image as a data URL (data:image/png;base64,...)")
-        if not v.url[:11].lower().startswith("data:image/"):
-            raise ValueError("image_url.url: must be a data URL (data:image/<type>;base64,<data>)")
-        return v
 
 
 def _content_part(part: Any, i: int):
