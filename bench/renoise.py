@@ -2,8 +2,8 @@
 and canvas (256) on CPU, its peak memory as requests grow, and the fused vocabulary pass's memory at the published
 shape.
 
-    python -m bench.renoise [--out bench_out]            # about 15 minutes on 2 busy cores
-    python -m bench.renoise --smoke                      # tiny vocabulary and canvas: checks the script (a minute)
+    python -m bench.renoise [--out bench_out]            # about 30 minutes on 2 busy cores
+    python -m bench.renoise --smoke                      # tiny vocabulary and canvas: checks the script
 
 * ``speed``: a random checkpoint written by transformers (real vocabulary and canvas; a small decoder: ``--hidden``,
   ``--layers``), ``--levels`` requests of ``--prompt-len`` tokens, one canvas each (``max_new_tokens`` = canvas,
@@ -46,7 +46,7 @@ WEIGHTS_BYTES = 47 * GIB  # dllm-jax plan --preset diffusiongemma-26b-a4b, TP 1,
 RESERVE = 4 * GIB
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = dict(vocab=512, canvas=16, hidden=32, layers=2, window=16, levels=[1, 2], growth=[1, 2], rounds=1,
-             steps=2, engine_reps=2, hf_reps=1, prompt_len=8)
+             steps=2, engine_reps=2, hf_reps=1, prompt_len=8, slots_row=False)
 
 
 def memory(rows=(1, 8)) -> dict:
