@@ -215,7 +215,8 @@ def _rel_err(got, want) -> float:
     finite = np.isfinite(want)
     if not np.array_equal(finite, np.isfinite(got)):
         return float("inf")
-    return float(np.max(np.abs(got - want)[finite], initial=0.0) / max(np.max(np.abs(want[finite]), initial=0.0), 1e-30))
+    scale = max(np.max(np.abs(want[finite]), initial=0.0), 1e-30)
+    return float(np.max(np.abs(got - want)[finite], initial=0.0) / scale)
 
 
 def main(argv=None) -> int:
