@@ -70,7 +70,8 @@ class Canvases:
         return None
 
     def admit(self, req: Request):
-        """A slot, the longest cached prefix (its pages, our own references), pages for the first chunk."""
+        """A slot (the lowest free: live slots stay low, so a denoise call's rows stay few), the longest cached
+        prefix (its pages, our own references), pages for the first chunk."""
         self._slot[req] = min(set(range(self.slots)) - set(self._slot.values()))
         full, sliding = self._match(req)
         self.index.take(full, sliding)
@@ -180,9 +181,10 @@ class Canvases:
         if kv_len >= self.S:
             self.index.insert(req.cache_keys[:kv_len], req.pages, self._sliding_pages.get(req, []))
 
-    def _tables(self, reqs: list[Request], *, by_slot: bool) -> dict:
-        """Page tables: row = slot (a denoise call: every slot) or the request's index in ``reqs`` (an encode call)."""
-        rows = self.slots if by_slot else len(reqs)
+    def _tables(self, reqs: list[Request], *, by_slot: int = 0) -> dict:
+        """Page tables: row = slot (a denoise call: its first ``by_slot`` slots) or the request's index in ``reqs``
+        (an encode call)."""
+        rows = by_slot or len(reqs)
         width = next_pow2(max([len(r.pages) for r in reqs] + [1]))
         full = np.zeros((rows, width), np.int32)
         sliding = np.zeros((rows, width), np.int32)
@@ -208,14 +210,14 @@ class Canvases:
         if not ready:
             return None
         tokens = [r.real_ids[self._kv_len[r]:self._chunk_end(r)] for r in ready]
-        tables = self._tables(ready, by_slot=False)
+        tables = self._tables(ready)
         compiler = self.runner.compiler
         if compiler.warmed and len(ready) > 1:
             key = self.runner.encode_key(len(ready), max(map(len, tokens)), tables[FULL_KIND].shape[1])
             if key not in compiler.compiled:  # a shape warm-up did not cover: compiled aside, one row meanwhile
                 compiler.compile_soon(key)
                 ready, tokens = ready[:1], tokens[:1]
-                tables = self._tables(ready, by_slot=False)
+                tables = self._tables(ready)
         images = [self._chunk_images(r, len(t)) for r, t in zip(ready, tokens)]
         return EncodeCall(ready, tokens, [self._kv_len[r] for r in ready], tables,
                           images if any(images) else None)
@@ -240,7 +242,7 @@ class Canvases:
                 self._starting.add(req)
 
     def plan_denoise(self, reqs: list[Request]) -> DenoiseCall:
-        R = self.slots
+        R = self.runner.denoise_rows(1 + max(self._slot[r] for r in reqs))  # the first R slots hold every live one
         seeds = np.zeros(R, np.uint32)
         canvas_index = np.zeros(R, np.int32)
         prefix = np.zeros(R, np.int32)
@@ -256,9 +258,9 @@ class Canvases:
         steps = self.max_steps_per_call
         if any(r.provisional for r in reqs):
             steps = 1  # the host sees every step (provisional frames)
-        tables = self._tables(reqs, by_slot=True)
+        tables = self._tables(reqs, by_slot=R)
         adjust = None
-        if any(r.params.penalized for r in reqs):  # the penalty variant: every slot's table (neutral: empty)
+        if any(r.params.penalized for r in reqs):  # the penalty variant: every row's table (neutral: empty)
             adjust = renoise_tables.empty_tables(R, self.runner.adjust_width(tables[FULL_KIND].shape[1]))
             for req in reqs:
                 if req.params.penalized:

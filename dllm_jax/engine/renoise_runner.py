@@ -2,7 +2,9 @@
 
 Rows are slots (``max_rows`` of them); a running request holds one. The state of all slots stays on the device
 between calls (``[C, H]`` self-conditioning per row, never logits); a call names the slots it starts and the
-page tables, and gets back only what the host needs (which rows finished, their argmax canvases).
+page tables, and gets back only what the host needs (which rows finished, their argmax canvases). A denoise call
+computes only the first ``rows`` slots (a bucket holding the highest live slot; slots are handed out lowest free
+first, so the live ones stay low): one request on a many-slot engine costs what it does alone.
 
 * :meth:`encode` -- prompt chunks and finished canvases through the encoder into the pools (rows padded to a
   power of two, tokens to a power-of-two chunk; pads write to the trash page);
@@ -10,9 +12,9 @@ page tables, and gets back only what the host needs (which rows finished, their 
   (FDFO) or all do (sync), at most ``max_steps``.
 
 Shape buckets (:meth:`buckets`; compiled by :meth:`warmup`, every dimension a power of two; with a vision tower
-also the tower over one image): a denoise call is
-``CanvasKey(width)`` (every slot, the page tables ``width`` pages wide); an encode call ``EncodeKey(rows, chunk,
-width)``. Warm-up compiles every denoise width, encodes of one row at every chunk its prefix can follow (a prompt
+also the tower over one image): a denoise call is ``CanvasKey(rows, width)`` (the first ``rows`` slots: 1, 2, 4,
+... up to ``max_rows``; the page tables ``width`` pages wide); an encode call ``EncodeKey(rows, chunk, width)``.
+Warm-up compiles every denoise rows x width, encodes of one row at every chunk its prefix can follow (a prompt
 or its chunks), and encodes of 2, 4, ... rows of one canvas each (finished canvases, encoded together). Any other
 encode shape (several prompts at once) compiles on the compiler's background thread while the scheduler encodes
 the requests one at a time (:meth:`encode_key`, :class:`~dllm_jax.engine.compilation.Compiler`).
@@ -32,7 +34,7 @@ from dllm_jax.config import ModelConfig
 from dllm_jax.decode import renoise, renoise_tables
 from dllm_jax.decode.rows import MAX_TOP_LOGPROBS
 from dllm_jax.engine.calls import Pending
-from dllm_jax.engine.compilation import Compiler, pow2_buckets
+from dllm_jax.engine.compilation import Compiler, pick_bucket, pow2_buckets
 from dllm_jax.model import gemma
 from dllm_jax.model import vision as vision_model
 from pallas_kernels import next_pow2
@@ -54,22 +56,22 @@ class EncodeCall:
 class DenoiseCall:
     reqs: list  # the live rows' requests (for failures)
     start_slots: list[int]  # slots whose canvas starts now
-    seeds: np.ndarray  # [max_rows] uint32, per slot
-    canvas_index: np.ndarray  # [max_rows] int32
-    prefix_len: np.ndarray  # [max_rows] int32
-    tables: dict  # kind -> [max_rows, width]
-    live: np.ndarray  # [max_rows] bool: slots with a request decoding
+    seeds: np.ndarray  # [rows] uint32, per slot (rows: RenoiseRunner.denoise_rows, the call's first slots)
+    canvas_index: np.ndarray  # [rows] int32
+    prefix_len: np.ndarray  # [rows] int32
+    tables: dict  # kind -> [rows, width]
+    live: np.ndarray  # [rows] bool: slots with a request decoding
     max_steps: int
-    adjust: dict | None = None  # the penalty variant: renoise_tables.FIELDS -> [max_rows, width] (neutral rows empty)
+    adjust: dict | None = None  # the penalty variant: renoise_tables.FIELDS -> [rows, width] (neutral rows empty)
     top: bool = False  # the top-k variant: record the MAX_TOP_LOGPROBS most likely tokens of each step
 
 
 @dataclasses.dataclass
 class DenoiseResult:
-    finished: np.ndarray  # [R] bool
-    argmax: np.ndarray  # [R, C] int32
+    finished: np.ndarray  # [max_rows] bool (slots past the call's rows: not touched by it)
+    argmax: np.ndarray  # [max_rows, C] int32
     logprob: np.ndarray  # [R, C] float32
-    steps: np.ndarray  # [R] int32: steps each row ran in this call
+    steps: np.ndarray  # [rows] int32: steps each row ran in this call
     entropy: np.ndarray  # [R] float32
     top_logprob: np.ndarray | None = None  # [R, C, MAX_TOP_LOGPROBS] float32 (the top-k variant)
     top_ids: np.ndarray | None = None  # [R, C, MAX_TOP_LOGPROBS] int32
@@ -92,6 +94,7 @@ class VisionKey(NamedTuple):
 
 class CanvasKey(NamedTuple):
     kind: str  # "canvas"
+    rows: int  # the first ``rows`` slots (RenoiseRunner.denoise_rows)
     width: int
     penalties: bool = False  # the variant with adjustment tables (renoise_tables.table_width(width * page_size))
     top: bool = False  # the variant recording the top MAX_TOP_LOGPROBS tokens
@@ -111,6 +114,7 @@ class RenoiseRunner:
         self.widths = pow2_buckets(max_pages_per_row)
         self.chunks = tuple(c for c in pow2_buckets(max(MIN_CHUNK, max_chunk)) if c >= MIN_CHUNK)
         self.rows = pow2_buckets(max_rows)
+        self.slot_rows = tuple(sorted({min(r, max_rows) for r in self.rows}))  # denoise rows (the state's slots)
         self.compiler = Compiler(self._lower)
         self.num_pages = dict(num_pages)
         self.pool = gemma.init_kv_pages(cfg, num_pages, page_size, self.dtype)
@@ -129,8 +133,12 @@ class RenoiseRunner:
     def encode_key(self, rows: int, longest: int, width: int) -> EncodeKey:
         return EncodeKey("encode", next_pow2(rows), max(MIN_CHUNK, next_pow2(longest)), next_pow2(width))
 
-    def canvas_key(self, width: int, penalties: bool = False, top: bool = False) -> CanvasKey:
-        return CanvasKey("canvas", next_pow2(width), penalties, top)
+    def canvas_key(self, width: int, penalties: bool = False, top: bool = False, rows: int | None = None) -> CanvasKey:
+        return CanvasKey("canvas", self.denoise_rows(rows or self.max_rows), next_pow2(width), penalties, top)
+
+    def denoise_rows(self, slots: int) -> int:
+        """The rows a denoise call computes when its highest live slot is ``slots - 1``."""
+        return pick_bucket(max(1, slots), self.slot_rows)
 
     def adjust_width(self, width: int) -> int:
         """The adjustment tables' width for page tables ``width`` pages wide (every real token of a row fits)."""
@@ -143,7 +151,7 @@ class RenoiseRunner:
         canvas_chunk = max(MIN_CHUNK, next_pow2(self.cfg.block_size))
         variants = [(False, False)] + ([(True, False)] if penalties else [])
         variants += [(p, True) for p, _ in variants] if logprobs else []
-        keys = [CanvasKey("canvas", w, p, t) for p, t in variants for w in self.widths]
+        keys = [CanvasKey("canvas", r, w, p, t) for p, t in variants for r in self.slot_rows for w in self.widths]
         keys += [EncodeKey("encode", 1, c, w) for c in self.chunks for w in self.widths if 2 * w * self.page_size >= c]
         keys += [EncodeKey("encode", r, canvas_chunk, w) for r in self.rows[1:] for w in self.widths]
         if self.vision is not None:  # the tower for one image (more at once, and encodes with images: on first use)
@@ -166,7 +174,7 @@ class RenoiseRunner:
             tables = {k: i32(key.rows, key.width) for k in self.num_pages}
             return self._encode.lower(self.params, tokens=i32(key.rows, key.chunk), prefix_len=i32(key.rows),
                                       num_tokens=i32(key.rows), kv_pages=self.pool, page_tables=tables)
-        R = self.max_rows
+        R = key.rows
         flags = jax.ShapeDtypeStruct((R,), np.bool_)
         adjust = None
         if key.penalties:
@@ -236,16 +244,18 @@ class RenoiseRunner:
         return self._collect_denoise(self._dispatch_denoise(call))
 
     def _dispatch_denoise(self, call: DenoiseCall):
-        start = np.zeros(self.max_rows, bool)
+        rows = len(call.live)
+        start = np.zeros(rows, bool)
         start[call.start_slots] = True
-        key = self.canvas_key(next(iter(call.tables.values())).shape[1], call.adjust is not None, call.top)
+        key = self.canvas_key(next(iter(call.tables.values())).shape[1], call.adjust is not None, call.top, rows)
+        assert key.rows == rows, f"a denoise call of {rows} rows (not a bucket: {self.slot_rows})"
         adjust = None
         if call.adjust is not None:
             adjust = renoise.Adjust(*(jnp.asarray(call.adjust[f]) for f in renoise_tables.FIELDS))
         self.state, steps = self._denoise(
             self.params, self.state, jnp.asarray(start), jnp.asarray(call.live), jnp.asarray(call.seeds),
             jnp.asarray(call.canvas_index), jnp.asarray(call.prefix_len), self.pool,
-            {k: jnp.asarray(_pad(v, self.max_rows, key.width)) for k, v in call.tables.items()},
+            {k: jnp.asarray(_pad(v, rows, key.width)) for k, v in call.tables.items()},
             jnp.int32(call.max_steps), adjust, first_finish=self.first_finish,
             top_k=MAX_TOP_LOGPROBS if call.top else 0)
         self.compiler.ran(key)
@@ -275,7 +285,13 @@ def _denoise_loop(params, state, start, live, seeds, canvas_index, prefix_len, k
                   adjust=None, *, cfg, rcfg, backend, first_finish, top_k=0):
     """Start the canvases of ``start`` slots, then run steps until a live row finishes (``first_finish``) or all
     live rows have, at most ``max_steps``. Slots not ``live`` are held finished (they do not change). ``adjust`` /
-    ``top_k``: the penalty and top-k variants (:func:`dllm_jax.decode.renoise.denoise_step`)."""
+    ``top_k``: the penalty and top-k variants (:func:`dllm_jax.decode.renoise.denoise_step`).
+
+    The per-slot inputs cover the first ``rows`` slots (their length, static): only those are computed, the rest
+    of the (donated) state is written back as it was. A row's arithmetic does not depend on ``rows``."""
+    rows = live.shape[0]
+    whole = state
+    state = jax.tree.map(lambda a: a[:rows], whole)
     fresh = renoise.initial_state(cfg, rcfg, seeds, canvas_index, state.soft.dtype)
     pick = lambda a, b: jnp.where(start.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)  # noqa: E731
     state = jax.tree.map(pick, fresh, state)
@@ -296,4 +312,4 @@ def _denoise_loop(params, state, start, live, seeds, canvas_index, prefix_len, k
         return st, i + 1, steps
 
     state, _, steps = jax.lax.while_loop(cond, body, (state, jnp.int32(0), jnp.zeros_like(prefix_len)))
-    return state, steps
+    return jax.tree.map(lambda a, b: a.at[:rows].set(b), whole, state), steps
