@@ -221,15 +221,18 @@ def test_abort_and_stop_strings(fdfo):
 
 
 def test_warmup_compiles_every_bucket_traffic_needs(model_dir, reference):
-    """DiffusionGemma's shape buckets: warm-up compiles them (denoise at every page-table width, encodes of one row
-    at every chunk, of several canvases at once), and mixed traffic then compiles nothing in line; an encode of
-    several prompts, a shape warm-up leaves out, compiles on the background thread while the prompts encode one
-    at a time, with the same answers."""
+    """DiffusionGemma's shape buckets: warm-up compiles them (denoise at every row count and page-table width,
+    encodes of one row at every chunk, of several canvases at once), and mixed traffic then compiles nothing in
+    line; an encode of several prompts, a shape warm-up leaves out, compiles on the background thread while the
+    prompts encode one at a time, with the same answers."""
     from dllm_jax.engine.compilation import compiled_executables
 
     engine = _engine(model_dir, max_running_requests=4, context_length=64, max_prefill_tokens=32)
     try:
         assert engine.warmup() == engine.runner.num_buckets() == len(set(engine.runner.buckets())) > 0
+        assert {k.rows for k in engine.runner.buckets() if k.kind == "canvas"} == {1, 2, 4}
+        ran, record = [], engine.runner.compiler.ran
+        engine.runner.compiler.ran = lambda key: (ran.append(key), record(key))
         before = compiled_executables()
         rng = __import__("numpy").random.default_rng(0)
         for _ in range(3):  # canvases finishing alone and together, chunked prompts, cache hits
@@ -239,6 +242,7 @@ def test_warmup_compiles_every_bucket_traffic_needs(model_dir, reference):
                                                                  "ignore_eos": True} for i in range(k)])
             engine.scheduler.check_pages()
         assert compiled_executables() == before
+        assert len({k.rows for k in ran if k.kind == "canvas"}) > 1  # calls of fewer rows than slots ran too
         engine.flush_cache()
         outs = engine.generate(input_ids=[PROMPTS[0], PROMPTS[2]], sampling_params=[  # prompt rows of 11, 22 tokens
             {"max_new_tokens": 10, "seed": 40 + i, "ignore_eos": True} for i in (0, 2)])

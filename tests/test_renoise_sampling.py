@@ -170,6 +170,7 @@ def test_variants_warm_up_and_compile_nothing_after(model_dir):
             eng.generate(input_ids=[PROMPTS[1], PROMPTS[i % 3]], sampling_params=[
                 {"max_new_tokens": 6, "seed": i, "ignore_eos": True}, dict(extra, max_new_tokens=9, seed=i + 1,
                                                                            ignore_eos=True)])
+        eng.generate(input_ids=PROMPTS[2], sampling_params=dict(mixes[3], max_new_tokens=4, seed=9))  # one row
         assert compiled_executables() == before
         eng.scheduler.check_pages()
     finally:
