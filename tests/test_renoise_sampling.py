@@ -154,6 +154,9 @@ def test_stop_token_ids_and_min_new_tokens(engine):
     engine.scheduler.check_pages()
 
 
+# slow: warm-up compiles every variant at each denoise row bucket (1, 2 here), about 50 s on 2 busy cores; the
+# main suite's no-compile check over the row buckets is test_renoise_engine's warm-up test (the plain step)
+@pytest.mark.slow
 def test_variants_warm_up_and_compile_nothing_after(model_dir):
     from dllm_jax.engine.compilation import compiled_executables
 
