@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from dllm_jax.config import ModelConfig
 from dllm_jax.decode.algorithms import Algorithm, Candidates, State
 from dllm_jax.decode.algorithms import entropy as entropy_of
+from dllm_jax.decode import grammar_mask as gm
 from dllm_jax.decode import logprobs as lp
 from dllm_jax.decode.backends import attention_function, confidence_stats
 from dllm_jax.decode import rows
@@ -65,6 +66,9 @@ class StepSpec:
     # forward per block with identical tokens.
     fold_commit: bool = False
     penalties: bool = False  # the batch carries Penalties (some row has a penalty or bias)
+    # The batch carries GrammarMask (some row is constrained: decode/grammar_mask.py). A call with an active row
+    # runs one step (the host checks the row's run and computes its next mask after every step).
+    grammar: bool = False
     logprobs: bool = False  # record the log probability of every token a step writes
     top_logprobs: int = 0  # and the k most likely alternatives of that forward (0: none)
     # Block chaining: a row whose block is done, with no stop token in it, starts its next block on the device in
@@ -82,7 +86,8 @@ class StepSpec:
     def needs_logits(self) -> bool:
         """Whether the step materialises the ``[R, B, V]`` logits (else only the fused confidence figures)."""
         algo = self.algorithm
-        return self.sampling or self.penalties or algo.needs_logits or algo.needs_entropy
+        return self.sampling or self.penalties or algo.needs_logits or algo.needs_entropy  # (not grammar: it reads
+        # the logits at the frontier alone)
 
     @property
     def max_steps(self) -> int:
@@ -214,7 +219,8 @@ def candidates(params, hidden, batch: DenoiseBatch, spec: StepSpec) -> tuple[Can
         tokens, confidence = argmax.reshape(rows, block), p_max.reshape(rows, block)
         if not spec.needs_logits:
             scores = _Scores(None, hidden, lse.reshape(rows, block)) if spec.logprobs else None
-            return Candidates(tokens=tokens, confidence=confidence), scores
+            cand = Candidates(tokens=tokens, confidence=confidence)
+            return (_constrain(params, hidden, None, batch, cand, spec) if spec.grammar else cand), scores
         logits = _family(spec).logits_from_hidden(params, hidden)
         logits = _exclude_mask(logits, spec.mask_id)
         if spec.penalties:
@@ -237,8 +243,36 @@ def candidates(params, hidden, batch: DenoiseBatch, spec: StepSpec) -> tuple[Can
                 t = jnp.where(is_sampled(batch.temperature, batch.top_k), batch.temperature, 1.0)
                 tempered = logits / t[:, None, None]
             scores = _Scores(tempered, None, None)
-        return Candidates(tokens=tokens, confidence=confidence, entropy=entropy,
-                          logits=logits if algo.needs_logits else None, sampled=sampled_rows), scores
+        cand = Candidates(tokens=tokens, confidence=confidence, entropy=entropy,
+                          logits=logits if algo.needs_logits else None, sampled=sampled_rows)
+        return (_constrain(params, hidden, logits, batch, cand, spec) if spec.grammar else cand), scores
+
+
+def _constrain(params, hidden, logits, batch: DenoiseBatch, cand: Candidates, spec: StepSpec) -> Candidates:
+    """The grammar variant: each constrained row's frontier candidate is the best token its grammar allows
+    (:mod:`dllm_jax.decode.grammar_mask`), from the step's logits when it materialised them (penalties and bias
+    included; if they leave no allowed token a finite logit, the raw ones), else from the frontier's hidden state."""
+    g = batch.grammar
+    with jax.named_scope("grammar"):
+        raw = _family(spec).logits_from_hidden(
+            params, gm.frontier_hidden(hidden, batch.tokens, batch.immutable, spec.mask_id))[:, 0]
+        raw = raw.at[:, spec.mask_id].set(-jnp.inf)
+        allowed = gm.unpack_bitmask(g.allowed, raw.shape[-1])
+        z = raw
+        if logits is not None:
+            adjusted = gm.frontier_logits(logits, batch.tokens, batch.immutable, spec.mask_id)
+            usable = jnp.any(allowed & (adjusted > -jnp.inf), axis=-1, keepdims=True)
+            z = jnp.where(usable, adjusted, raw)
+        sample_fn = None
+        if spec.sampling:
+            def sample_fn(z3):
+                drawn, _ = _sample(z3, batch)
+                return drawn, batch.temperature > 0
+        token_f = gm.pick_allowed(z, allowed, mask_id=spec.mask_id, sample_fn=sample_fn)
+        tokens, confidence, entropy = gm.constrain_frontier(cand.tokens, cand.confidence, cand.entropy,
+                                                            batch.tokens, batch.immutable, g.active, token_f,
+                                                            mask_id=spec.mask_id)
+    return dataclasses.replace(cand, tokens=tokens, confidence=confidence, entropy=entropy)
 
 
 def _record(params, scores: _Scores, old_tokens, new_tokens, spec: StepSpec) -> lp.LogprobRecord:
@@ -312,6 +346,8 @@ def _update(params, hidden, batch: DenoiseBatch, tokens, state, steps_taken, spe
     leftover = fill[:, None] & (new_tokens == spec.mask_id) & ~batch.immutable
     new_tokens = jnp.where(leftover, cand.tokens, new_tokens)
     done = done & ~jnp.any(leftover | (fill[:, None] & (new_tokens != tokens)), axis=-1)
+    if spec.grammar:
+        new_tokens = gm.keep_run(new_tokens, batch.immutable, batch.grammar.active, mask_id=spec.mask_id)
     fresh = done
     if spec.fold_commit and spec.algorithm.foldable:
         resolved = ~jnp.any((new_tokens == spec.mask_id) & ~immutable, axis=-1)
@@ -343,6 +379,11 @@ def denoise(params, kv_pages, batch: DenoiseBatch, state: State, *, spec: StepSp
 
     def cond(c):
         done, it = c["done"], c["it"]
+        if spec.grammar:  # a constrained row needs the host after every step (its next mask)
+            return jnp.where(jnp.any(batch.grammar.active) & (it >= 1), False, _cond(done, it))
+        return _cond(done, it)
+
+    def _cond(done, it):
         if spec.first_done:
             return (it < jnp.minimum(max_iterations, batch.loop_cap)) & ~jnp.any(done & live) & ~jnp.all(done)
         return (it < max_iterations) & ~jnp.all(done)

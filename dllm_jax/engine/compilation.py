@@ -15,8 +15,8 @@ Buckets (every dimension a power of two, so a handful of executables serve all t
 
 Step variants: a denoise call compiles (per bucket) the plain step, or a variant when some row samples
 (``sampling``), has a penalty / bias (``VARIANT_PENALTIES``: the call carries fixed-width penalty tables) or wants
-log probabilities (``VARIANT_LOGPROBS``, and ``VARIANT_TOP`` when some row wants alternatives). A batch without them
-runs the plain step.
+log probabilities (``VARIANT_LOGPROBS``, and ``VARIANT_TOP`` when some row wants alternatives) or is constrained by
+a grammar (``VARIANT_GRAMMAR``: the call carries a bitmask per row). A batch without them runs the plain step.
 
 A call's **key** is a named tuple of its bucket: :class:`DenoiseKey` ``(kind, rows, width, sampled, variant)`` or
 :class:`PrefillKey` ``(kind, rows, blocks, width)`` (DiffusionGemma's runner has its own, with a ``kind`` too). :meth:`Compiler.warmup` compiles a list of keys ahead of time; afterwards nothing it covered
@@ -39,7 +39,7 @@ import jax
 from pallas_kernels import next_pow2
 
 # Denoise variants, as bits (a call's header carries them above its kind; followers shape their arrays from it).
-VARIANT_PENALTIES, VARIANT_LOGPROBS, VARIANT_TOP = 1, 2, 4
+VARIANT_PENALTIES, VARIANT_LOGPROBS, VARIANT_TOP, VARIANT_GRAMMAR = 1, 2, 4, 8
 
 
 class DenoiseKey(NamedTuple):
@@ -136,18 +136,20 @@ class ShapeBuckets:
         return cls(**values)
 
 
-def variants_for(*, penalties: bool, logprobs: bool, top: bool) -> int:
+def variants_for(*, penalties: bool, logprobs: bool, top: bool, grammar: bool = False) -> int:
     return ((VARIANT_PENALTIES if penalties else 0) | (VARIANT_LOGPROBS if logprobs or top else 0)
-            | (VARIANT_TOP if top else 0))
+            | (VARIANT_TOP if top else 0) | (VARIANT_GRAMMAR if grammar else 0))
 
 
 def bucket_keys(buckets: ShapeBuckets, prefill_width: int, *, sampling: bool = False, logprobs: bool = False,
-                penalties: bool = False) -> list[tuple]:
+                penalties: bool = False, grammar: bool = False) -> list[tuple]:
     """Every key a call can take, with the step variants asked for (every combination: a batch may mix such
     requests). Prefill calls take the widest table (``prefill_width``)."""
     variants = [0]
     if penalties:
         variants += [VARIANT_PENALTIES]
+    if grammar:
+        variants += [v | VARIANT_GRAMMAR for v in list(variants)]
     if logprobs:
         variants += [v | VARIANT_LOGPROBS | top for v in list(variants) for top in (0, VARIANT_TOP)]
     out = [DenoiseKey("denoise", R, W, sampled, v) for sampled in ((False, True) if sampling else (False,))

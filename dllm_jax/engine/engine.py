@@ -121,16 +121,19 @@ class Engine(Rounds, RequestInputs, EngineInfo, Profiling, WeightUpdates, PauseG
     # ------------------------------------------------------------------------------------------
     # Warm-up and requests
     # ------------------------------------------------------------------------------------------
-    def warmup(self, sampling: bool = False, *, logprobs: bool = False, penalties: bool = False) -> int:
+    def warmup(self, sampling: bool = False, *, logprobs: bool = False, penalties: bool = False,
+               grammar: bool = False) -> int:
         """Compile every shape bucket now, so no request waits on a compile later (a progress bar shows it when
         ``progress`` is on; cached executables load from the persistent compilation cache). Returns the count.
-        ``sampling`` / ``logprobs`` / ``penalties`` also compile the step variants for such requests (each
+        ``sampling`` / ``logprobs`` / ``penalties`` / ``grammar`` also compile the step variants for such requests (each
         multiplies the denoise buckets; without them a first such request compiles its variant on the fly).
         Without a progress bar (stderr is not a terminal: a service's log) the progress is logged as lines,
         ``compiled 17/45 shape buckets``, one per tenth of the buckets or per 5 s, whichever comes first."""
         from tqdm import tqdm
 
         variants = dict(sampling=sampling, logprobs=logprobs, penalties=penalties)
+        if grammar:
+            variants["grammar"] = True
         total = self.runner.num_buckets(**variants)
         start = time.perf_counter()
         with self._lock, tqdm(total=total, desc="compiling", unit="bucket", disable=not self.progress,

@@ -31,6 +31,8 @@ class Request:
     # A streamed request: each committed block goes out as it is done (the scheduler never chains its blocks).
     stream: bool = False
     arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
+    # Structured output: the request's grammar state (dllm_jax/engine/grammar.py RowGrammar), or None.
+    grammar: Any = None
 
     phase: Phase = Phase.WAITING
     output_ids: list[int] = dataclasses.field(default_factory=list)

@@ -20,12 +20,13 @@ from dllm_jax.decode.algorithms import Algorithm
 from dllm_jax.engine.weight_sync import KIND_WEIGHTS, apply_received, update_template
 from dllm_jax.decode.packing import RowLayout
 from dllm_jax.decode import rows as row_schema
-from dllm_jax.engine.calls import (ROW_ATTRIBUTES, DecodeOutput, DecodeRow, DenoiseCall, PenaltyRow, Pending,
-                                   PrefillCall, PrefillRow, RowError, fill_penalties)
+from dllm_jax.engine.calls import (UNCONSTRAINED, ROW_ATTRIBUTES, DecodeOutput, DecodeRow, DenoiseCall, PenaltyRow, Pending,
+                                   PrefillCall, PrefillRow, RowError, fill_grammar, fill_penalties)
+from dllm_jax.decode.rows import GRAMMAR_PREFIX
 from dllm_jax.decode.step import (CHAIN_STOP_IDS, PENALTY_PREFIX, STATE_PREFIX, StepSpec, denoise_packed,
                                    init_kv_pages, prefill)
 from dllm_jax.cache.pages import TRASH_PAGE
-from dllm_jax.engine.compilation import (VARIANT_LOGPROBS, VARIANT_PENALTIES, VARIANT_TOP, Compiler, DenoiseKey,
+from dllm_jax.engine.compilation import (VARIANT_GRAMMAR, VARIANT_LOGPROBS, VARIANT_PENALTIES, VARIANT_TOP, Compiler, DenoiseKey,
                                          PrefillKey, ShapeBuckets, bucket_keys, pick_bucket, variants_for)
 from dllm_jax.engine.sampling import MAX_TOP_LOGPROBS
 
@@ -113,8 +114,9 @@ class ModelRunner:
         self._result_layouts = {chain: row_schema.result_layout(row_schema.Dims(block_size, C=self.chain),
                                                                 self._fresh_state, chain=chain)
                                 for chain in (False, True)}
-        self._layouts: dict[tuple[int, bool, bool], RowLayout] = {}
-        self._staged: dict[tuple[int, bool, bool, int], tuple] = {}  # see _staging
+        self._layouts: dict[tuple[int, bool, bool, bool], RowLayout] = {}
+        self._staged: dict[tuple[int, bool, bool, bool, int], tuple] = {}  # see _staging
+        self.grammar_words = (cfg.vocab_size + 31) // 32  # a grammar bitmask's int32 words
         self.device_calls = 0
         self.compiler = Compiler(self._lower, background=channel is None)
         # When a list (the efficiency bench sets one), every call appends a CallRecord: its bucket and how much
@@ -147,7 +149,8 @@ class ModelRunner:
             self.device_calls += 1
             return None
         chain = shape[0] in self.chain_rows
-        layout = self.denoise_layout(shape[1], bool(variant & VARIANT_PENALTIES), chain)
+        layout = self.denoise_layout(shape[1], bool(variant & VARIANT_PENALTIES), chain,
+                                     bool(variant & VARIANT_GRAMMAR))
         rows = arrays["rows"]
         sampling = bool(np.any((layout.view(rows, "temperature") > 0) & (layout.view(rows, "top_k") != 1)))
         spec = self.denoise_spec(sampling, variant, chain)
@@ -160,28 +163,30 @@ class ModelRunner:
         """Whether a denoise call of ``rows`` rows runs the chaining step (its row bucket is in ``chain_rows``)."""
         return pick_bucket(rows, self.row_buckets) in self.chain_rows
 
-    def denoise_layout(self, width: int, penalties: bool, chain: bool = False) -> RowLayout:
+    def denoise_layout(self, width: int, penalties: bool, chain: bool = False, grammar: bool = False) -> RowLayout:
         """The packed per-row inputs of a denoise call with a ``width``-page table (:mod:`dllm_jax.decode.rows`);
-        ``chain``: with the chaining tables."""
-        key = (width, penalties, chain)
+        ``chain``: with the chaining tables; ``grammar``: with the grammar masks."""
+        key = (width, penalties, chain, grammar)
         if key not in self._layouts:
-            self._layouts[key] = row_schema.layout(self._input_fields(penalties, chain), self._dims(width))
+            self._layouts[key] = row_schema.layout(self._input_fields(penalties, chain, grammar), self._dims(width))
         return self._layouts[key]
 
     def _dims(self, width: int) -> row_schema.Dims:
-        return row_schema.Dims(self.block_size, W=width, C=self.chain)
+        return row_schema.Dims(self.block_size, W=width, C=self.chain, G=self.grammar_words)
 
-    def _input_fields(self, penalties: bool, chain: bool) -> tuple:
-        return row_schema.input_fields(self._dims(1), self._fresh_state, penalties=penalties, chain=chain)
+    def _input_fields(self, penalties: bool, chain: bool, grammar: bool = False) -> tuple:
+        return row_schema.input_fields(self._dims(1), self._fresh_state, penalties=penalties, chain=chain,
+                                       grammar=grammar)
 
-    def _staging(self, width: int, penalties: bool, chain: bool, rows: int):
+    def _staging(self, width: int, penalties: bool, chain: bool, rows: int, grammar: bool = False):
         """For a call of ``rows`` rows of ``denoise_layout(width, penalties, chain)``: its padding rows (every field
         at its padding value: they decode nothing), what its real rows start from; a host array the call's rows
         are written into, and that array's field views. One set per bucket, kept: building a layout's two dozen
         views cost more than filling them."""
-        key = (width, penalties, chain, rows)
+        key = (width, penalties, chain, grammar, rows)
         if key not in self._staged:
-            self._staged[key] = row_schema.padding_rows(self._input_fields(penalties, chain), self._dims(width),
+            self._staged[key] = row_schema.padding_rows(self._input_fields(penalties, chain, grammar),
+                                                        self._dims(width),
                                                         rows)
         return self._staged[key]
 
@@ -194,7 +199,8 @@ class ModelRunner:
         key = (sampling, variant, chain)
         if key not in self._variants:
             self._variants[key] = dataclasses.replace(
-                spec, penalties=bool(variant & VARIANT_PENALTIES), logprobs=bool(variant & VARIANT_LOGPROBS),
+                spec, penalties=bool(variant & VARIANT_PENALTIES), grammar=bool(variant & VARIANT_GRAMMAR),
+                logprobs=bool(variant & VARIANT_LOGPROBS),
                 top_logprobs=MAX_TOP_LOGPROBS if variant & VARIANT_TOP else 0, chain=self.chain if chain else 0)
         return self._variants[key]
 
@@ -208,7 +214,8 @@ class ModelRunner:
         if kind == KIND_PREFILL:
             return {"tokens": np.zeros((rows, length), np.int32), "page_table": np.zeros((rows, width), np.int32),
                     "prefix_len": np.zeros((rows,), np.int32), "write": np.zeros((rows, length // B), np.int32)}
-        layout = self.denoise_layout(width, bool(variant & VARIANT_PENALTIES), rows in self.chain_rows)
+        layout = self.denoise_layout(width, bool(variant & VARIANT_PENALTIES), rows in self.chain_rows,
+                                     bool(variant & VARIANT_GRAMMAR))
         return {"rows": np.zeros((rows, layout.width), np.int32)}
 
     def follow(self) -> int:
@@ -318,8 +325,9 @@ class ModelRunner:
         # The table holds the prefix and, for a chaining row, the pages of the blocks it may start.
         W = pick_bucket(max(1, max(len(r.prefix_pages) + len(r.chain_pages) for r in rows)), self.width_buckets)
         penalties = any(r.penalty is not None for r in rows)
+        grammar = any(r.grammar is not None for r in rows)
         chain = R in self.chain_rows
-        padding, staging, fields = self._staging(W, penalties, chain, R)
+        padding, staging, fields = self._staging(W, penalties, chain, R, grammar)
         np.copyto(staging, padding)
         fields["loop_cap"][:] = loop_cap
         state = {k: fields[STATE_PREFIX + k] for k in self._fresh_state}
@@ -333,6 +341,9 @@ class ModelRunner:
             variant |= VARIANT_PENALTIES
             fill_penalties(rows, {k[len(PENALTY_PREFIX):]: v for k, v in fields.items()
                                    if k.startswith(PENALTY_PREFIX)})
+        if grammar:
+            variant |= VARIANT_GRAMMAR
+            fill_grammar(rows, {k[len(GRAMMAR_PREFIX):]: v for k, v in fields.items() if k.startswith(GRAMMAR_PREFIX)})
         if any(r.logprobs >= 0 for r in rows):
             variant |= VARIANT_LOGPROBS | (VARIANT_TOP if any(r.logprobs > 0 for r in rows) else 0)
         packed = staging.copy()  # the call's own inputs (the staging rows are rewritten by the next call)
@@ -414,10 +425,10 @@ class ModelRunner:
     # Which executables exist, and compiling the missing ones off the scheduler's thread
     # -------------------------------------------------------------------------------------------
     def denoise_key(self, rows: int, pages: int, *, sampling: bool, penalties: bool, logprobs: bool,
-                    top: bool) -> DenoiseKey:
+                    top: bool, grammar: bool = False) -> DenoiseKey:
         """The key of a denoise call of ``rows`` rows whose longest page table holds ``pages``."""
         return DenoiseKey("denoise", pick_bucket(rows, self.row_buckets), pick_bucket(max(1, pages), self.width_buckets),
-                          sampling, variants_for(penalties=penalties, logprobs=logprobs, top=top))
+                          sampling, variants_for(penalties=penalties, logprobs=logprobs, top=top, grammar=grammar))
 
     def _abstract(self, tree):
         """Shapes of device arrays, as the jitted call sees them (a sharding only where a mesh placed them: a
@@ -438,25 +449,27 @@ class ModelRunner:
                                  spec=self.prefill_spec)
         R, W, sampling, variant = key.rows, key.width, key.sampled, key.variant
         chain = R in self.chain_rows
-        layout = self.denoise_layout(W, bool(variant & VARIANT_PENALTIES), chain)
+        layout = self.denoise_layout(W, bool(variant & VARIANT_PENALTIES), chain, bool(variant & VARIANT_GRAMMAR))
         rows = jax.ShapeDtypeStruct((R, layout.width), np.int32)
         return denoise_packed.lower(params, kv_pages, rows, spec=self.denoise_spec(sampling, variant, chain),
                                     layout=layout)
 
     # -------------------------------------------------------------------------------------------
-    def buckets(self, *, sampling: bool = False, logprobs: bool = False, penalties: bool = False) -> list[tuple]:
+    def buckets(self, *, sampling: bool = False, logprobs: bool = False, penalties: bool = False,
+                grammar: bool = False) -> list[tuple]:
         """Every key a call can take, with the step variants asked for (see :func:`compilation.bucket_keys`)."""
         return bucket_keys(self.buckets_spec, self.prefill_width, sampling=sampling, logprobs=logprobs,
-                           penalties=penalties)
+                           penalties=penalties, grammar=grammar)
 
     def num_buckets(self, **variants) -> int:
         return len(self.buckets(**variants))
 
     def warmup(self, *, sampling: bool = False, logprobs: bool = False, penalties: bool = False,
-               on_bucket=None) -> int:
+               grammar: bool = False, on_bucket=None) -> int:
         """Compile every bucket now, with the step variants asked for (:meth:`Compiler.warmup`). Returns the count.
         With followers (several processes) each bucket runs once instead, so that every process compiles it."""
-        count = self.compiler.warmup(self.buckets(sampling=sampling, logprobs=logprobs, penalties=penalties),
+        count = self.compiler.warmup(self.buckets(sampling=sampling, logprobs=logprobs, penalties=penalties,
+                                                  grammar=grammar),
                                      run=self._run_padding if self.channel is not None else None, on_key=on_bucket)
         jax.block_until_ready(self.kv_pages)
         return count
@@ -467,7 +480,8 @@ class ModelRunner:
         if key.kind == "denoise":
             lps = -1 if not key.variant & VARIANT_LOGPROBS else (1 if key.variant & VARIANT_TOP else 0)
             row = DecodeRow(prefix_pages=[TRASH_PAGE] * key.width, temperature=1.0 if key.sampled else 0.0,
-                            logprobs=lps, penalty=PenaltyRow([], 0) if key.variant & VARIANT_PENALTIES else None)
+                            logprobs=lps, penalty=PenaltyRow([], 0) if key.variant & VARIANT_PENALTIES else None,
+                            grammar=UNCONSTRAINED if key.variant & VARIANT_GRAMMAR else None)
             self.denoise([row] * key.rows)
         else:
             self.prefill([PrefillRow(tokens=[0] * (key.blocks * B), prefix_pages=[TRASH_PAGE] * key.width,
