@@ -11,7 +11,8 @@ checked), and whether the row is constrained at all. Here:
    step makes progress with a token the grammar accepts);
 2. :func:`keep_run`: after the algorithm's update, a constrained row keeps only the positions it decided up to its
    first undecided one; a position decided past a hole goes back to the mask id (a left-to-right grammar cannot
-   check it yet). The host checks the run and takes back what the grammar rejects.
+   check it yet), and an edit of a checked token is not taken. The host checks the run and takes back what the
+   grammar rejects.
 
 Rows with ``active`` False are untouched (every value selected with ``jnp.where`` from the plain step's), so an
 unconstrained row computes exactly what the plain step computes.
@@ -58,11 +59,16 @@ def constrain_frontier(tokens, confidence, entropy, block, immutable, active, to
     return tokens, confidence, entropy
 
 
-def keep_run(new_tokens, immutable, active, *, mask_id: int):
-    """Active rows: every position past the first undecided one back to the mask id."""
+def keep_run(old_tokens, new_tokens, immutable, active, *, mask_id: int):
+    """Active rows: the positions decided before the step keep their tokens (an edit algorithm's rewrite of a checked
+    token is not taken: one the grammar rejects would be proposed again at every step), and every position past
+    the first undecided one goes back to the mask id."""
+    pos = jnp.arange(new_tokens.shape[1])[None, :]
+    checked = (old_tokens != mask_id) & ~immutable & active[:, None]
+    new_tokens = jnp.where(checked, old_tokens, new_tokens)
     undecided = (new_tokens == mask_id) & ~immutable
     hole = jnp.where(jnp.any(undecided, axis=-1), jnp.argmax(undecided, axis=-1), new_tokens.shape[1])
-    past = (jnp.arange(new_tokens.shape[1])[None, :] > hole[:, None]) & ~immutable & active[:, None]
+    past = (pos > hole[:, None]) & ~immutable & active[:, None]
     return jnp.where(past, mask_id, new_tokens)
 
 

@@ -347,7 +347,7 @@ def _update(params, hidden, batch: DenoiseBatch, tokens, state, steps_taken, spe
     new_tokens = jnp.where(leftover, cand.tokens, new_tokens)
     done = done & ~jnp.any(leftover | (fill[:, None] & (new_tokens != tokens)), axis=-1)
     if spec.grammar:
-        new_tokens = gm.keep_run(new_tokens, batch.immutable, batch.grammar.active, mask_id=spec.mask_id)
+        new_tokens = gm.keep_run(tokens, new_tokens, batch.immutable, batch.grammar.active, mask_id=spec.mask_id)
     fresh = done
     if spec.fold_commit and spec.algorithm.foldable:
         resolved = ~jnp.any((new_tokens == spec.mask_id) & ~immutable, axis=-1)

@@ -74,12 +74,15 @@ class MaskCommit:
         req.forward_passes += steps
         req.block_steps += steps
         tokens, done, state = out.tokens[i], bool(out.done[i]), out.states[i]
+        fresh_kv = bool(out.fresh_kv[i])
         if req.grammar is not None:  # what the grammar does not allow goes back to masks (engine/grammar.py)
             tokens, taken_back = req.grammar.check_block(tokens, req.block_immutable, self.mask_id)
-            if taken_back:
+            if req.grammar.stopped:  # it took an EOS: the answer ends in this block, whatever follows the EOS
+                done, fresh_kv = True, done and fresh_kv
+            elif taken_back:
                 done, state = False, None  # (the algorithm starts over on the block's remaining masks)
         if done:
-            self._commit_block(req, tokens, fresh_kv=bool(out.fresh_kv[i]))
+            self._commit_block(req, tokens, fresh_kv=fresh_kv)
         else:
             req.block_tokens, req.algo_state = tokens, state
             if req.provisional:
