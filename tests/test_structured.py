@@ -185,3 +185,40 @@ def test_the_http_fields(client):
         r = client.post(path, json=body)
         assert r.status_code == 400, (path, body, r.text)
         assert r.json()["error"]["message"].startswith(field + ":"), (field, r.text)
+
+
+@pytest.fixture(scope="module")
+def dg_engine(tmp_path_factory):
+    """A random tiny DiffusionGemma (canvas of 8, a Gemma-style tokenizer)."""
+    pytest.importorskip("torch")
+    import dllm_jax
+    from dllm_jax.testing.diffusion_gemma import FULL, SLIDING, write_tiny_diffusion_gemma
+    from dllm_jax.testing.tokenizer_files import write_gemma_tokenizer
+
+    path = tmp_path_factory.mktemp("dg_structured")
+    ids = write_gemma_tokenizer(str(path))
+    write_tiny_diffusion_gemma(path, canvas_length=8, sliding_window=6, tie=False, num_hidden_layers=2,
+                               layer_types=[SLIDING, FULL], vocab_size=405,
+                               eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]])
+    eng = dllm_jax.Engine(model_path=str(path), warmup=False, algorithm_config={"max_denoising_steps": 4},
+                          max_running_requests=4)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.mark.slow
+def test_diffusion_gemma_canvases_are_constrained(dg_engine):
+    """A random DiffusionGemma knows nothing: every committed canvas is its valid prefix plus an allowed token."""
+    cases = [("json_schema", json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 1,
+                                                                              "maximum": 9},
+                                                                        "c": {"enum": ["red", "blue"]}},
+                                         "required": ["n", "c"], "additionalProperties": False})),
+             ("regex", DATE), ("ebnf", ARITHMETIC), ("regex", WORDS)]
+    prompt = [[5, 17, 3, 88, 41, 9, 60]] * len(cases) + [[7, 7, 30, 4, 11]]
+    outs = dg_engine.generate(input_ids=prompt, sampling_params=[{"max_new_tokens": 48, kind: text}
+                                                                 for kind, text in cases] + [{"max_new_tokens": 16, "seed": 7}])
+    for (kind, text), out in zip(cases, outs):
+        check(kind, text, out, dg_engine)
+    plain = dg_engine.generate(input_ids=prompt, sampling_params=[{"max_new_tokens": 48}] * len(cases)
+                               + [{"max_new_tokens": 16, "seed": 7}])
+    assert outs[-1]["output_ids"] == plain[-1]["output_ids"]

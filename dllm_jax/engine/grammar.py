@@ -76,7 +76,7 @@ class GrammarCompiler:
     model), the bitmask width, and :meth:`compile` (a ValueError naming the field and llguidance's reason for a
     grammar it cannot use)."""
 
-    def __init__(self, tokenizer, *, vocab_size: int, eos_token_ids: tuple[int, ...], mask_id: int):
+    def __init__(self, tokenizer, *, vocab_size: int, eos_token_ids: tuple[int, ...], mask_id: int | None):
         import llguidance
         import llguidance.hf
 
@@ -88,10 +88,10 @@ class GrammarCompiler:
                                                       eos_token=list(eos_token_ids) or None)
         # Tokens no grammar may take: the mask id, and ids beyond the tokenizer's (the embedding's padding rows).
         keep = np.ones((self.words * 32,), np.bool_)
-        keep[mask_id] = False
         keep[len(tokenizer):] = False
         keep[list(eos_token_ids)] = True  # (EOS is governed by the grammar's own bits)
-        keep[mask_id] = False
+        if mask_id is not None:  # (a canvas model has none)
+            keep[mask_id] = False
         self.allowed_ever = np.packbits(keep, bitorder="little").view("<i4").astype(np.int32)
         self._lock = threading.Lock()
 
@@ -188,6 +188,47 @@ class RowGrammar:
             gen[at:at + len(forced)] = forced
             self.block_run += forced
             at += len(forced)
+
+    # -- canvases (DiffusionGemma) ----------------------------------------------------------------
+    def accept_canvas(self, canvas: list[int], alternatives: np.ndarray | None) -> list[int]:
+        """The tokens to commit of a finished canvas (the argmax of its last step): its longest valid prefix (up to
+        and with an EOS where the grammar accepts), then, where it went wrong, the most likely of that position's
+        recorded alternatives (``alternatives [C, k]``, most likely first) the grammar allows, else an allowed
+        token (EOS where it accepts, else the text it forces, else the lowest allowed id). At least one token, every
+        one checked; what follows is dropped and the next canvas starts after it."""
+        import time
+
+        t0 = time.perf_counter()
+        m = self.matcher
+        valid = m.validate_tokens(canvas)
+        if valid:
+            assert m.consume_tokens(canvas[:valid]), m.get_error()
+        out = list(canvas[:valid])
+        if valid < len(canvas):
+            eos = self.compiler.eos_token_ids
+            if canvas[valid] in eos and m.is_accepting():
+                pick = canvas[valid]
+            else:
+                options = [int(t) for t in alternatives[valid]] if alternatives is not None else []
+                pick = next((t for t in options if t != self.compiler.mask_id and (
+                    (t in eos and m.is_accepting()) or (t not in eos and m.validate_tokens([t]) == 1))), None)
+                if pick is None:
+                    pick = self._any_allowed()
+            assert m.consume_token(pick), m.get_error()
+            out.append(pick)
+        self.mask_seconds += time.perf_counter() - t0
+        return out
+
+    def _any_allowed(self) -> int:
+        if self.matcher.is_accepting():
+            return self.compiler.eos_token_ids[0]
+        forced = self.matcher.compute_ff_tokens()
+        if forced:
+            return forced[0]
+        words = np.zeros((self.compiler.words,), np.int32)
+        self.fill_mask(words)
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")
+        return int(np.flatnonzero(bits)[0])
 
     # -- the device's input ---------------------------------------------------------------------
     def fill_mask(self, out: np.ndarray) -> bool:
