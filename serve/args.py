@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 30; 0: at once; a second signal: at once)")
     g.add_argument("--warmup-variants", default=None, metavar="LIST",
                    help="also compile these step variants while starting, so that no first such request waits on "
-                        "a compile: a comma list of sampling, logprobs, penalties, or all (default: none)")
+                        "a compile: a comma list of sampling, logprobs, penalties, grammar, or all (default: none)")
     add_dp_arguments(p)
 
 
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-WARMUP_VARIANTS = ("sampling", "logprobs", "penalties")
+WARMUP_VARIANTS = ("sampling", "logprobs", "penalties", "grammar")
 
 
 def warmup_variants(value: str | None) -> dict:
@@ -109,7 +109,8 @@ def warmup_variants(value: str | None) -> dict:
         names = list(WARMUP_VARIANTS)
     for name in names:
         if name not in WARMUP_VARIANTS:
-            raise ValueError(f"warmup_variants: unknown variant {name!r} (sampling, logprobs, penalties, or all)")
+            raise ValueError(f"warmup_variants: unknown variant {name!r} (sampling, logprobs, penalties, grammar "
+                             f"or all)")
     return {name: True for name in names}
 
 

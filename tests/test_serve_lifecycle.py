@@ -308,7 +308,7 @@ def test_lifecycle_flags(capsys):
     from serve.cli import build_parser, run, warmup_variants
 
     assert warmup_variants(None) == {}
-    assert warmup_variants("all") == {"sampling": True, "logprobs": True, "penalties": True}
+    assert warmup_variants("all") == {"sampling": True, "logprobs": True, "penalties": True, "grammar": True}
     assert warmup_variants("logprobs, penalties") == {"logprobs": True, "penalties": True}
     args = build_parser().parse_args(["--warmup-variants", "sampling", "--shutdown-timeout", "0"])
     assert args.warmup_variants == "sampling" and args.shutdown_timeout == 0

@@ -152,7 +152,7 @@ def client(engine):
         yield c
 
 
-def test_the_http_fields(client):
+def test_the_http_fields(client, engine):
     """SGLang's sampling parameters on /generate, SGLang's names and OpenAI's response_format on /v1/completions
     and /v1/chat/completions: valid answers; a schema that cannot compile is a 400 naming the body's field."""
     r = client.post("/generate", json={"text": "Today is ", "sampling_params": {"max_new_tokens": 32, "regex": DATE}})
@@ -168,12 +168,15 @@ def test_the_http_fields(client):
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Answer in JSON"}],
                                                       "max_tokens": 48, "response_format": fmt})
         assert r.status_code == 200, r.text
-        value = json.loads(r.json()["choices"][0]["message"]["content"])
-        jsonschema.validate(value, schema if fmt["type"] == "json_schema" else {"type": "object"})
+        choice = r.json()["choices"][0]
+        ids = engine.tokenizer.encode(choice["message"]["content"], add_special_tokens=False)
+        out = {"output_ids": ids, "text": choice["message"]["content"],
+               "meta_info": {"finish_reason": {"type": choice["finish_reason"]}}}
+        check("json_schema", json.dumps(schema if fmt["type"] == "json_schema" else {"type": "object"}), out, engine)
     bad = [("/generate", {"text": "x", "sampling_params": {"json_schema": "{oops"}}, "sampling_params.json_schema"),
            ("/generate", {"text": "x", "sampling_params": {"regex": "("}}, "sampling_params.regex"),
            ("/v1/completions", {"prompt": "x", "ebnf": "root ::= nothing"}, "ebnf"),
-           ("/v1/completions", {"prompt": "x", "regex": "a", "json_schema": "{}"}, "json_schema"),
+           ("/v1/completions", {"prompt": "x", "regex": "a", "json_schema": "{}"}, "regex"),
            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {
                "type": "json_schema", "json_schema": {"name": "a", "schema": {"$ref": "#/nowhere"}}}},
             "response_format.json_schema.schema"),

@@ -9,16 +9,18 @@ checked), and whether the row is constrained at all. Here:
    the allowed logits; sampled rows: a draw from them, with the row's temperature, top-k and top-p), the mask id
    never among them; its confidence becomes 1 and its entropy 0, so every algorithm commits it in this step (each
    step makes progress with a token the grammar accepts);
-2. :func:`keep_run`: after the algorithm's update, a constrained row keeps only the positions it decided up to its
-   first undecided one; a position decided past a hole goes back to the mask id (a left-to-right grammar cannot
-   check it yet), and an edit of a checked token is not taken. The host checks the run and takes back what the
-   grammar rejects.
+2. :func:`keep_run`: after the algorithm's update, an edit of a decided token is not taken. The host checks the
+   decided run from the block's start and takes back the first token the grammar rejects and everything after
+   it; a token decided past an undecided position stays provisional (unchecked, never committed) until the run
+   reaches it.
 
 Rows with ``active`` False are untouched (every value selected with ``jnp.where`` from the plain step's), so an
 unconstrained row computes exactly what the plain step computes.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 
@@ -60,16 +62,10 @@ def constrain_frontier(tokens, confidence, entropy, block, immutable, active, to
 
 
 def keep_run(old_tokens, new_tokens, immutable, active, *, mask_id: int):
-    """Active rows: the positions decided before the step keep their tokens (an edit algorithm's rewrite of a checked
-    token is not taken: one the grammar rejects would be proposed again at every step), and every position past
-    the first undecided one goes back to the mask id."""
-    pos = jnp.arange(new_tokens.shape[1])[None, :]
-    checked = (old_tokens != mask_id) & ~immutable & active[:, None]
-    new_tokens = jnp.where(checked, old_tokens, new_tokens)
-    undecided = (new_tokens == mask_id) & ~immutable
-    hole = jnp.where(jnp.any(undecided, axis=-1), jnp.argmax(undecided, axis=-1), new_tokens.shape[1])
-    past = (pos > hole[:, None]) & ~immutable & active[:, None]
-    return jnp.where(past, mask_id, new_tokens)
+    """Active rows: the positions decided before the step keep their tokens (an edit algorithm's rewrite of a
+    decided token is not taken: one the grammar rejects would be proposed again at every step)."""
+    decided = (old_tokens != mask_id) & ~immutable & active[:, None]
+    return jnp.where(decided, old_tokens, new_tokens)
 
 
 def frontier_hidden(hidden, block, immutable, mask_id: int):
@@ -83,3 +79,27 @@ def frontier_logits(logits, block, immutable, mask_id: int):
     pos, _ = frontier(block, immutable, mask_id)
     return jnp.take_along_axis(logits, pos[:, None, None], axis=1)[:, 0]
 
+
+
+def constrain(hidden, logits, batch, cand, *, mask_id: int, head, sample=None):
+    """``cand`` with each constrained row's frontier candidate the best token its grammar allows: from the step's
+    ``logits`` when it materialised them (penalties and bias included; if they leave no allowed token a finite
+    logit, the raw ones), else from the frontier's hidden state through ``head`` (``[R, 1, H] -> [R, 1, V]``).
+    ``sample`` (a sampling step): ``[R, 1, V]`` logits -> ``[R, 1]`` draws, taken by rows with a temperature."""
+    g = batch.grammar
+    raw = head(frontier_hidden(hidden, batch.tokens, batch.immutable, mask_id))[:, 0]
+    raw = raw.at[:, mask_id].set(-jnp.inf)
+    allowed = unpack_bitmask(g.allowed, raw.shape[-1])
+    z = raw
+    if logits is not None:
+        adjusted = frontier_logits(logits, batch.tokens, batch.immutable, mask_id)
+        usable = jnp.any(allowed & (adjusted > -jnp.inf), axis=-1, keepdims=True)
+        z = jnp.where(usable, adjusted, raw)
+    sample_fn = None
+    if sample is not None:
+        def sample_fn(z3):
+            return sample(z3), batch.temperature > 0
+    token_f = pick_allowed(z, allowed, mask_id=mask_id, sample_fn=sample_fn)
+    tokens, confidence, entropy = constrain_frontier(cand.tokens, cand.confidence, cand.entropy, batch.tokens,
+                                                     batch.immutable, g.active, token_f, mask_id=mask_id)
+    return dataclasses.replace(cand, tokens=tokens, confidence=confidence, entropy=entropy)

@@ -249,30 +249,11 @@ def candidates(params, hidden, batch: DenoiseBatch, spec: StepSpec) -> tuple[Can
 
 
 def _constrain(params, hidden, logits, batch: DenoiseBatch, cand: Candidates, spec: StepSpec) -> Candidates:
-    """The grammar variant: each constrained row's frontier candidate is the best token its grammar allows
-    (:mod:`dllm_jax.decode.grammar_mask`), from the step's logits when it materialised them (penalties and bias
-    included; if they leave no allowed token a finite logit, the raw ones), else from the frontier's hidden state."""
-    g = batch.grammar
+    """The grammar variant: each constrained row's frontier candidate (:func:`grammar_mask.constrain`)."""
     with jax.named_scope("grammar"):
-        raw = _family(spec).logits_from_hidden(
-            params, gm.frontier_hidden(hidden, batch.tokens, batch.immutable, spec.mask_id))[:, 0]
-        raw = raw.at[:, spec.mask_id].set(-jnp.inf)
-        allowed = gm.unpack_bitmask(g.allowed, raw.shape[-1])
-        z = raw
-        if logits is not None:
-            adjusted = gm.frontier_logits(logits, batch.tokens, batch.immutable, spec.mask_id)
-            usable = jnp.any(allowed & (adjusted > -jnp.inf), axis=-1, keepdims=True)
-            z = jnp.where(usable, adjusted, raw)
-        sample_fn = None
-        if spec.sampling:
-            def sample_fn(z3):
-                drawn, _ = _sample(z3, batch)
-                return drawn, batch.temperature > 0
-        token_f = gm.pick_allowed(z, allowed, mask_id=spec.mask_id, sample_fn=sample_fn)
-        tokens, confidence, entropy = gm.constrain_frontier(cand.tokens, cand.confidence, cand.entropy,
-                                                            batch.tokens, batch.immutable, g.active, token_f,
-                                                            mask_id=spec.mask_id)
-    return dataclasses.replace(cand, tokens=tokens, confidence=confidence, entropy=entropy)
+        return gm.constrain(hidden, logits, batch, cand, mask_id=spec.mask_id,
+                            head=lambda h: _family(spec).logits_from_hidden(params, h),
+                            sample=(lambda z3: _sample(z3, batch)[0]) if spec.sampling else None)
 
 
 def _record(params, scores: _Scores, old_tokens, new_tokens, spec: StepSpec) -> lp.LogprobRecord:

@@ -14,12 +14,15 @@ why one does not compile (the 400's reason).
 **How a block decoded out of order stays valid by construction** (a left-to-right engine cannot check a block
 with holes). Per step, a constrained row's *frontier* (its first undecided position; every position before it is
 decided and checked) takes its token from the grammar's mask given the decided prefix (the device applies the
-packed bitmask, :mod:`dllm_jax.decode.grammar_mask`), and the algorithm must commit it. Positions after the
-frontier may commit in the same step only as a contiguous run behind it (a position past an undecided one is
-taken back on the device); after the call the host checks that run with ``validate_tokens`` and takes back its
-first invalid token and everything after it (:meth:`RowGrammar.check_block`). So every committed token is a valid
-continuation, the frontier's token always is (each step makes progress), EOS commits only where the grammar
-accepts, and the mask id is never a candidate. Text the grammar forces (a schema's keys and punctuation) is
+packed bitmask, :mod:`dllm_jax.decode.grammar_mask`), and the algorithm must commit it. Other positions commit
+as the algorithm decides; after the call the host checks the decided run from the frontier with
+``validate_tokens`` and takes back its first invalid token and everything after it
+(:meth:`RowGrammar.check_block`). A token decided past an undecided position stays *provisional*: unchecked, the
+block not committed, until the run reaches and checks it (then it stays or goes back). So every committed token is
+a valid continuation, the frontier's token always is (each step makes progress), EOS commits only where the grammar
+accepts, and the mask id is never a candidate. Keeping provisional tokens keeps the model's parallel, out-of-order
+commits wherever they turn out valid (tokens per forward under a constraint the model's own text meets:
+``python -m bench.structured``). Text the grammar forces (a schema's keys and punctuation) is
 written into the block by the host (llguidance's fast-forward tokens) without waiting for the model. A DINGO-style
 automaton over the whole block would allow out-of-order commits, but only for regular languages (no EBNF, no
 recursive schemas) and with a per-step dynamic program over ``[B, states, V]``; the frontier rule covers every
@@ -129,65 +132,65 @@ class RowGrammar:
         self.block_run = []
 
     def check_block(self, tokens: np.ndarray, immutable: np.ndarray, mask_id: int) -> tuple[np.ndarray, bool]:
-        """``tokens``: the row's block after a call. Returns (the block with every position the grammar does not
-        allow taken back to the mask id, plus the text the grammar forces written in; whether anything was taken
-        back). Positions after an accepted EOS are left alone (the answer ends at the EOS)."""
+        """``tokens``: the row's block after a call. Returns (the block with the decided run from its start checked:
+        the first token the grammar rejects and everything after it taken back to the mask id, the text the grammar
+        forces written in at the frontier; whether anything was taken back). Tokens past the first undecided
+        position stay as they are, provisional. Once the run took an EOS (:attr:`stopped`) the rest is left alone
+        (the answer ends at the EOS)."""
         import time
 
         t0 = time.perf_counter()
         tokens = np.array(tokens, np.int32)
-        start = int(np.count_nonzero(immutable))
-        gen = tokens[start:]
-        holes = np.flatnonzero(gen == mask_id)
-        run_end = int(holes[0]) if holes.size else gen.size
-        run = gen[:run_end].tolist()
+        gen = tokens[int(np.count_nonzero(immutable)):]  # (a view: written through)
         common = 0
-        for a, b in zip(self.block_run, run):
+        for a, b in zip(self.block_run, gen.tolist()):
             if a != b:
                 break
             common += 1
-        if common < len(self.block_run):  # an algorithm edited a checked token: undo from there
+        if common < len(self.block_run):  # a checked token was rewritten: undo from there
             self.matcher.rollback(len(self.block_run) - common)
             self.block_run = self.block_run[:common]
             self.stopped = self._ate_eos()
         taken_back = False
-        if not self.stopped:
-            valid = self.matcher.validate_tokens(run[common:]) if common < len(run) else 0
+        while not self.stopped:
+            at = len(self.block_run)
+            holes = np.flatnonzero(gen[at:] == mask_id)
+            run = gen[at:at + (int(holes[0]) if holes.size else gen.size - at)].tolist()
+            valid = self.matcher.validate_tokens(run) if run else 0
             if valid:
-                ok = self.matcher.consume_tokens(run[common:common + valid])
-                assert ok, self.matcher.get_error()
-                self.block_run += run[common:common + valid]
-            good = common + valid
+                assert self.matcher.consume_tokens(run[:valid]), self.matcher.get_error()
+                self.block_run += run[:valid]
             # (validate_tokens counts no EOS once the grammar is complete: an EOS where it accepts is taken here)
-            if good < len(run) and run[good] in self.compiler.eos_token_ids and self.matcher.is_accepting():
-                ok = self.matcher.consume_token(run[good])
-                assert ok, self.matcher.get_error()
-                self.block_run.append(run[good])
-                good += 1
-            self.stopped = self._ate_eos()
-            if not self.stopped:
-                decided_after = np.flatnonzero(gen[good:] != mask_id)
-                if decided_after.size:
-                    gen[good:] = mask_id
-                    taken_back = True
-                self._fast_forward(gen, good)
+            if valid < len(run) and run[valid] in self.compiler.eos_token_ids and self.matcher.is_accepting():
+                assert self.matcher.consume_token(run[valid]), self.matcher.get_error()
+                self.block_run.append(run[valid])
+                self.stopped = True
+                break
+            if valid < len(run):  # rejected: it and everything after it go back
+                gen[at + valid:] = mask_id
+                taken_back = True
+            if not self._fast_forward(gen, len(self.block_run)):
+                break  # (else: check what follows the forced text)
         self.mask_seconds += time.perf_counter() - t0
         return tokens, taken_back
 
     def _ate_eos(self) -> bool:
         return bool(self.block_run) and self.block_run[-1] in self.compiler.eos_token_ids
 
-    def _fast_forward(self, gen: np.ndarray, at: int) -> None:
-        """Write the tokens the grammar forces from here (a schema's fixed text) into the block's masks."""
+    def _fast_forward(self, gen: np.ndarray, at: int) -> bool:
+        """Write the tokens the grammar forces from ``at`` (a schema's fixed text) into the block (over masks or
+        provisional tokens). Returns whether it wrote any."""
+        wrote = False
         while at < gen.size:
             forced = self.matcher.compute_ff_tokens()[:gen.size - at]
             if not forced:
-                return
-            ok = self.matcher.consume_tokens(forced)
-            assert ok, self.matcher.get_error()
+                break
+            assert self.matcher.consume_tokens(forced), self.matcher.get_error()
             gen[at:at + len(forced)] = forced
             self.block_run += forced
             at += len(forced)
+            wrote = True
+        return wrote
 
     # -- canvases (DiffusionGemma) ----------------------------------------------------------------
     def accept_canvas(self, canvas: list[int], alternatives: np.ndarray | None) -> list[int]:
