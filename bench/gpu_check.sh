@@ -27,9 +27,14 @@
 # 7. data parallel, on a machine with 2+ GPUs and sglang-router installed (else skipped at once, saying why):
 #    python -m bench.dp --workers <GPUs>: one replica on one GPU vs one per GPU behind SGLang's router (`dllm-jax
 #    serve --dp N`), and the router's added latency per request (issue 48);
+# 8. DiffusionGemma (issue 46): python -m bench.renoise_gpu --check: the fused vocabulary pass's Pallas kernel
+#    compiled for real (plain, penalty-table and top-k variants) and the streaming XLA loop against the
+#    materialised reference at the published vocabulary / hidden / canvas in bf16 (decisions equal wherever the
+#    reference separates them, statistics within 1e-3); then python -m bench.renoise_gpu: one denoising step of
+#    the 26B-A4B shape cut to 6 layers, 1 and 8 canvases over a 4k prefix, Pallas vs XLA, beside its floors;
 # then a summary: the before / after roofline table and every target.
-# GPU_CHECK_EXTRA=1 adds the older stages after these (the DiffusionGemma renoise step, the README demo, the
-# efficiency runs); they do not fit in the 8 minutes with the rest.
+# GPU_CHECK_ONLY=<text>: only the stages whose name holds it (GPU_CHECK_ONLY=DiffusionGemma: stage 8 alone). GPU_CHECK_EXTRA=1 adds the older
+# stages after these (the README demo, the efficiency runs); they do not fit in the 8 minutes with the rest.
 #
 # Logs and JSON go to bench_out/gpu/, or as one archive $OUT/gpu_check.tgz when $OUT is set (the lent machine returns
 # at most 8 files), with the crossover table beside it ($OUT/confidence_crossover.json). The last lines printed are
@@ -76,6 +81,10 @@ stage_timeout() {
 run_stage() {  # run_stage NAME WANT NEED LOG cmd...
   local name=$1 want=$2 need=$3 log=$4 t
   shift 4
+  if [[ -n "${GPU_CHECK_ONLY:-}" && "$name" != *"$GPU_CHECK_ONLY"* ]]; then
+    echo "== $name: not run (GPU_CHECK_ONLY=$GPU_CHECK_ONLY) =="
+    return
+  fi
   t=$(stage_timeout "$want" "$need")
   if [[ -z "$SMOKE" && "$t" == 0 ]]; then
     echo "== $name: SKIPPED (only $(left) s left of ${DEADLINE_S} s) =="
@@ -154,7 +163,9 @@ prepare_before() {
   echo "        'bash bench/gpu_check.sh --pack-before' where the repository is, and carry bench_out/before_tree.tgz)"
   return 1
 }
-if prepare_before; then
+if [[ -n "${GPU_CHECK_ONLY:-}" && "roofline (previous commit)" != *"$GPU_CHECK_ONLY"* ]]; then
+  echo "== roofline (previous commit): not run (GPU_CHECK_ONLY=$GPU_CHECK_ONLY) =="
+elif prepare_before; then
   if [[ -n "$SMOKE" ]]; then BARGS=(--smoke); else
     BARGS=(--batches 1 64 --prefixes 1024 --backends pallas --no-runner-check --no-scheduler-check --budget-s 40); fi
   run_stage "roofline (previous commit)" "${BEFORE_TIMEOUT_S:-70}" 40 "$DEST/roofline_before.log" \
@@ -180,9 +191,13 @@ else
     "$PY" -m bench.dp --workers "$NGPU" "${DP_ARGS[@]}" --out "$DEST/dp.json"
 fi
 
+# 8. DiffusionGemma: the renoise kernel vs its references, then the step at the published shape
+run_stage "DiffusionGemma kernels vs references" "${RENOISE_CHECK_TIMEOUT_S:-120}" 45 "$DEST/renoise_kernels.log" \
+  "$PY" -m bench.renoise_gpu --check $SMOKE --out "$DEST/renoise_kernels.json"
+run_stage "DiffusionGemma renoise step" "${RENOISE_TIMEOUT_S:-150}" 60 "$DEST/renoise_gpu.log" \
+  "$PY" -m bench.renoise_gpu $SMOKE --out "$DEST/renoise_gpu.json"
+
 if [[ "${GPU_CHECK_EXTRA:-0}" == "1" ]]; then
-  run_stage "DiffusionGemma renoise step" "${RENOISE_TIMEOUT_S:-120}" 60 "$DEST/renoise_gpu.log" \
-    "$PY" -m bench.renoise_gpu $SMOKE --out "$DEST/renoise_gpu.json"
   run_stage "engine: the README demo" 60 30 "$DEST/demo.log" \
     "$PY" -c "import sys; from dllm_jax.cli import main; sys.exit(main())" generate "Count up 11 steps from 71."
   if [[ -z "$SMOKE" ]]; then EFF_ARGS=(--efficiency-concurrency 1,16,64); EFF_MODELS=(shipped random50m)
@@ -305,6 +320,19 @@ if sbs and sbs.get("target"):
     v = "-" if t["value"] is None else f"{t['value']:.2f}x"
     res = "MET" if t["met"] else ("not met" if t["met"] is not None else "not judged")
     print(f"TARGET {t['name']}: {v} (>= {t['target']}x) {res}")
+rk = load("renoise_kernels.json")
+for r in (rk or {}).get("results", []):
+    what = r["error"][:200] if "error" in r else (f"differing where clear {r['differ_where_clear']}, rel err "
+                                                  + ", ".join(f"{k} {v:.1e}" for k, v in r["rel_err"].items()))
+    print(f"DiffusionGemma kernel {r['variant']} {r['impl']}: {what} -> {'PASS' if r['passed'] else 'FAIL'}")
+rg = load("renoise_gpu.json")
+for r in (rg or {}).get("rows", []):
+    if "error" in r:
+        print(f"DiffusionGemma step rows {r['rows']} {r['backend']}: {r['error'][:200]}")
+    else:
+        floor = f", wall/floor {r['wall_over_floor']:.2f}" if "wall_over_floor" in r else ""
+        print(f"DiffusionGemma step rows {r['rows']} {r['backend']}: {r['step_ms']:.2f} ms ({r['layers']} layers, "
+              f"prefix {r['prefix']}){floor}")
 dp = load("dp.json") if os.path.exists(os.path.join(dest, "dp.json")) else None
 if dp:
     from bench.dp import report

@@ -256,7 +256,8 @@ def test_overlap_probe_on_a_runner():
 def test_gpu_check_smoke(tmp_path):
     """``bash bench/gpu_check.sh --smoke`` on CPU: every stage of the GPU script (roofline now and at the previous
     commit, step profile, kernels with the attention sweep and a crossover table, the side-by-side with
-    transformers) runs and the summary prints (about 3.5 minutes on the 2-core CI machine)."""
+    transformers, the DiffusionGemma kernel check and step) runs and the summary prints (about 5 minutes on the 2-core
+    CI machine)."""
     import subprocess
 
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -266,13 +267,57 @@ def test_gpu_check_smoke(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     for stage in ("roofline (this tree) exit 0", "step profile exit 0", "kernels exit 0",
-                  "side by side: engine vs transformers exit 0", "== summary =="):
+                  "side by side: engine vs transformers exit 0", "DiffusionGemma kernels vs references exit 0",
+                  "DiffusionGemma renoise step exit 0", "== summary =="):
         assert stage in out, (stage, out[-3000:])
     assert "step profile batch 1:" in out and "side by side batch" in out
+    assert "DiffusionGemma kernel top_k pallas_interpret:" in out and "-> FAIL" not in out
     dest = os.path.join(REPO, "bench_out", "gpu")
     for name in ("roofline.json", "step_profile.json", "kernels.json", "side_by_side.json",
-                 "confidence_crossover.smoke.json"):
+                 "confidence_crossover.smoke.json", "renoise_kernels.json", "renoise_gpu.json"):
         assert os.path.isfile(os.path.join(dest, name)), name
+
+
+def test_gpu_check_parses_and_names_its_diffusion_gemma_stage():
+    """``bash -n bench/gpu_check.sh`` and its DiffusionGemma stage (the kernel check, then the step bench)."""
+    import subprocess
+
+    script = os.path.join(REPO, "bench", "gpu_check.sh")
+    assert subprocess.run(["bash", "-n", script], capture_output=True).returncode == 0
+    text = open(script).read()
+    assert "-m bench.renoise_gpu --check" in text and "-m bench.renoise_gpu $SMOKE" in text
+
+
+def test_renoise_bench_finds_canvas_by_vocab_arrays():
+    """bench.renoise_side.vocab_arrays: an HLO array with a vocabulary dimension next to a multiple of the canvas
+    is reported; the weights ([V, H]) and vocabulary tiles ([N, tile]) are not."""
+    from bench.renoise_side import vocab_arrays
+
+    hlo = ("%a = f32[262144,64]{1,0} parameter(0)\n%b = f32[512,2048]{1,0} dot(%x, %y)\n"
+           "%c = f32[512,262144]{1,0} dot(%x, %a)\n%d = pred[256,262144]{1,0} compare(%c, %c)")
+    assert vocab_arrays(hlo, 262144, 256) == ["f32[512,262144]", "pred[256,262144]"]
+    assert vocab_arrays(hlo.split("\n")[1], 262144, 256) == []
+
+
+@pytest.mark.slow
+def test_renoise_bench_smoke(tmp_path, capsys):
+    """``python -m bench.renoise --smoke``: both sides in their own processes at 1 and 2 requests, the same steps
+    per canvas on both, the growth table with its model, the JSON (four processes: 3-6 minutes on 2 busy cores)."""
+    from bench.renoise import main
+
+    assert main(["--smoke", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "engine vs transformers generate" in printed and "engine peak RSS as requests grow" in printed
+    result = json.loads((tmp_path / "renoise.json").read_text())
+    rows = {(r["side"], r["requests"], r["slots"]): r for r in result["speed"]["rows"]}
+    for n in (1, 2):
+        engine, hf = rows[("engine", n, None)], rows[("hf", n, None)]
+        assert engine["tokens"] == hf["tokens"] == 16 * n
+        assert engine["steps_per_canvas"] == hf["steps_per_canvas"] == 2  # the same regime: every step run
+        assert engine["speedup"] > 0 and engine["peak_rss"] > engine["imports_rss"] > 0
+    growth = result["growth"]["rows"]
+    assert [g["requests"] for g in growth] == [1, 2] and growth[0]["excess"] == 0
+    assert growth[1]["kv_pools"] > growth[0]["kv_pools"] and growth[1]["state"] == 2 * growth[0]["state"]
 
 
 def test_weight_update_bench_on_the_shipped_model(tmp_path, capsys):

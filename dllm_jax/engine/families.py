@@ -19,6 +19,7 @@ import logging
 import math
 
 import jax
+import jax.numpy as jnp
 
 from dllm_jax import compile_cache
 from dllm_jax.cache.pages import PageAllocator
@@ -134,12 +135,14 @@ def build_canvases(engine, loaded, o, channel):
     engine.num_kv_pages = budget.num_pages
     log.info("%s", engine.kv_budget.describe(engine.context_length))
     engine.tensor_parallel_size, engine.expert_parallel_size, engine.mesh = 1, 1, None
+    vision = _load_vision(engine, cfg, o.dtype)
     engine.runner = RenoiseRunner(loaded.params, cfg, engine.rcfg,
                                   num_pages={FULL_KIND: budget.num_pages, SLIDING_KIND: sliding_pages},
                                   page_size=S, max_rows=o.max_running_requests,
                                   max_pages_per_row=-(-engine.context_length // S), max_chunk=chunk,
                                   first_finish=o.schedule != "sync", backend=engine.confidence_backend,
-                                  dtype=o.dtype)
+                                  dtype=o.dtype, vision=vision,
+                                  vision_patches=engine.images.max_patches if vision else 0)
     engine.output = Output(engine.tokenizer, block_size=C, mask_token_id=None)
     policy = Canvases(engine.runner, canvas=C, window=window, max_running_requests=o.max_running_requests,
                       max_steps_per_call=o.max_steps_per_call or 1 << 30, max_prefill_tokens=chunk,
@@ -152,6 +155,26 @@ def build_canvases(engine, loaded, o, channel):
         "algorithm_config": renoise.config_dict(engine.rcfg), "kv_page_size": S,
         "sliding_window": cfg.sliding_window, "num_sliding_kv_pages": engine.runner.num_pages[SLIDING_KIND]}
     return channel
+
+
+def _load_vision(engine, cfg, dtype):
+    """The vision tower and the image reader of a checkpoint that carries one (None: text only; a converted
+    directory keeps the text model alone)."""
+    from dllm_jax.engine.images import ImageInputs
+    from dllm_jax.model.vision import VisionConfig
+    from dllm_jax.model.vision_params import has_vision_tower, load_vision_params
+
+    vcfg = VisionConfig.from_model_dir(engine.model_path)
+    if vcfg is None or not has_vision_tower(engine.model_path):
+        return None
+    if max(vcfg.image_token_id, vcfg.boi_token_id, vcfg.eoi_token_id) >= cfg.vocab_size:
+        log.warning("the image tokens are outside the vocabulary: images are not served")
+        return None
+    vparams = load_vision_params(engine.model_path, vcfg, cfg.hidden_size, jnp.dtype(dtype))
+    engine.images = ImageInputs(engine.model_path, vcfg)
+    log.info("vision tower loaded: %d layers, %d soft tokens per image at most", vcfg.num_layers,
+             engine.images.soft_tokens)
+    return vparams, vcfg
 
 
 SERVING = {"mask": build_mask_blocks, "canvas": build_canvases}

@@ -9,7 +9,8 @@ page tables, and gets back only what the host needs (which rows finished, their 
 * :meth:`denoise` -- denoising steps on the device (a ``while_loop``) until the first live row finishes its canvas
   (FDFO) or all do (sync), at most ``max_steps``.
 
-Shape buckets (:meth:`buckets`; compiled by :meth:`warmup`, every dimension a power of two): a denoise call is
+Shape buckets (:meth:`buckets`; compiled by :meth:`warmup`, every dimension a power of two; with a vision tower
+also the tower over one image): a denoise call is
 ``CanvasKey(width)`` (every slot, the page tables ``width`` pages wide); an encode call ``EncodeKey(rows, chunk,
 width)``. Warm-up compiles every denoise width, encodes of one row at every chunk its prefix can follow (a prompt
 or its chunks), and encodes of 2, 4, ... rows of one canvas each (finished canvases, encoded together). Any other
@@ -33,6 +34,7 @@ from dllm_jax.decode.rows import MAX_TOP_LOGPROBS
 from dllm_jax.engine.calls import Pending
 from dllm_jax.engine.compilation import Compiler, pow2_buckets
 from dllm_jax.model import gemma
+from dllm_jax.model import vision as vision_model
 from pallas_kernels import next_pow2
 
 
@@ -44,6 +46,8 @@ class EncodeCall:
     tokens: list[list[int]]
     starts: list[int]
     tables: dict  # kind -> [rows, width] int32 page ids
+    # per row, the images whose tokens are in its chunk: (image, offset in the chunk, first soft token, count)
+    images: list | None = None
 
 
 @dataclasses.dataclass
@@ -81,6 +85,11 @@ class EncodeKey(NamedTuple):
     width: int
 
 
+class VisionKey(NamedTuple):
+    kind: str  # "vision": the tower over ``images`` images (a power of two)
+    images: int
+
+
 class CanvasKey(NamedTuple):
     kind: str  # "canvas"
     width: int
@@ -93,8 +102,10 @@ class RenoiseRunner:
 
     def __init__(self, params, cfg: ModelConfig, rcfg: renoise.RenoiseConfig, *, num_pages: dict, page_size: int,
                  max_rows: int, max_pages_per_row: int, max_chunk: int, first_finish: bool = True,
-                 backend: str = "xla", dtype=jnp.float32):
+                 backend: str = "xla", dtype=jnp.float32, vision=None, vision_patches: int = 0):
         self.params, self.cfg, self.rcfg = params, cfg, rcfg
+        self.vision = vision  # (tower params, VisionConfig) of a checkpoint served with images, else None
+        self.vision_patches = vision_patches  # patches per image (the image processor's budget)
         self.page_size, self.max_rows, self.dtype = page_size, max_rows, jnp.dtype(dtype)
         self.first_finish = first_finish
         self.widths = pow2_buckets(max_pages_per_row)
@@ -109,6 +120,8 @@ class RenoiseRunner:
         self.state = jax.tree.map(lambda a: jnp.array(a, copy=True), state)  # own buffers: the state is donated
         self.calls = {"encode": 0, "denoise": 0, "steps": 0}
         self._encode = jax.jit(functools.partial(gemma.encode_chunk, cfg=cfg), donate_argnames="kv_pages")
+        if vision is not None:
+            self._vision = jax.jit(functools.partial(vision_model.image_features, vcfg=vision[1]))
         self._denoise = jax.jit(functools.partial(_denoise_loop, cfg=cfg, rcfg=rcfg, backend=backend),
                                 donate_argnames="state", static_argnames=("first_finish", "top_k"))
 
@@ -133,6 +146,8 @@ class RenoiseRunner:
         keys = [CanvasKey("canvas", w, p, t) for p, t in variants for w in self.widths]
         keys += [EncodeKey("encode", 1, c, w) for c in self.chunks for w in self.widths if 2 * w * self.page_size >= c]
         keys += [EncodeKey("encode", r, canvas_chunk, w) for r in self.rows[1:] for w in self.widths]
+        if self.vision is not None:  # the tower for one image (more at once, and encodes with images: on first use)
+            keys.append(VisionKey("vision", 1))
         return keys
 
     def num_buckets(self, **variants) -> int:
@@ -143,6 +158,10 @@ class RenoiseRunner:
 
     def _lower(self, key):
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
+        if key.kind == "vision":
+            vcfg = self.vision[1]
+            pixels = jax.ShapeDtypeStruct((key.images, self.vision_patches, 3 * vcfg.patch_size ** 2), np.float32)
+            return self._vision.lower(self.vision[0], pixels, i32(key.images, self.vision_patches, 2))
         if key.kind == "encode":
             tables = {k: i32(key.rows, key.width) for k in self.num_pages}
             return self._encode.lower(self.params, tokens=i32(key.rows, key.chunk), prefix_len=i32(key.rows),
@@ -192,11 +211,26 @@ class RenoiseRunner:
         for i, (toks, start) in enumerate(zip(call.tokens, call.starts)):
             tokens[i, :len(toks)], counts[i], starts[i] = toks, len(toks), start
         tables = {k: _pad(v, rows, key.width) for k, v in call.tables.items()}
+        # (an encode with images compiles its own executables, per image-count bucket; a text encode passes no
+        # images argument at all: the executables warm-up lowered)
+        extra = {"images": self._image_inputs(call, rows, chunk)} if call.images and any(call.images) else {}
         self.pool = self._encode(self.params, tokens=jnp.asarray(tokens), prefix_len=jnp.asarray(starts),
                                  num_tokens=jnp.asarray(counts), kv_pages=self.pool,
-                                 page_tables={k: jnp.asarray(v) for k, v in tables.items()})
-        self.compiler.ran(key)
+                                 page_tables={k: jnp.asarray(v) for k, v in tables.items()}, **extra)
+        if not extra:
+            self.compiler.ran(key)
         self.calls["encode"] += 1
+
+    def _image_inputs(self, call: EncodeCall, rows: int, chunk: int):
+        """The tower's soft tokens for the call's images (one tower call) and where each goes: ``encode_chunk``'s
+        ``images`` argument."""
+        vparams, vcfg = self.vision
+        pixels, positions, slots = vision_model.tower_batch([e[0] for row in call.images for e in row or ()])
+        features = self._vision(vparams, jnp.asarray(pixels), jnp.asarray(positions))  # [N, L, H]
+        self.compiler.ran(VisionKey("vision", len(pixels)))
+        index, group = vision_model.placement(rows, chunk, features.shape[1], call.images, slots,
+                                              vcfg.bidirectional)
+        return features.reshape(-1, features.shape[-1]), jnp.asarray(index), jnp.asarray(group)
 
     def denoise(self, call: DenoiseCall) -> DenoiseResult:
         return self._collect_denoise(self._dispatch_denoise(call))
