@@ -66,8 +66,8 @@ class FakeRunner:
     def max_prefill_rows(self, chunk: int) -> int:
         return 2
 
-    def denoise_key(self, rows, pages, *, sampling, penalties, logprobs, top):
-        return ("denoise", sampling, penalties, logprobs, top)
+    def denoise_key(self, rows, pages, *, sampling, penalties, logprobs, top, grammar=False):
+        return ("denoise", sampling, penalties, logprobs, top, grammar)
 
     def pool_lost(self) -> bool:
         return False
