@@ -247,7 +247,7 @@ def test_a_failed_call_fails_only_its_requests():
 def test_rows_waiting_for_a_compile_wait_and_the_others_run():
     """A step variant compiling in the background: the rows that need it are left out of the calls, the plain
     ones run; once it is ready, they run too, with the same outputs."""
-    key = ("denoise", False, False, True, False)  # a call with log probabilities
+    key = ("denoise", False, False, True, False, False)  # a call with log probabilities
     sched, runner = make(waiting_keys=[key])
     plain = [request(p, max_new=8, rid=f"plain{i}") for i, p in enumerate(PROMPTS[:3])]
     wants = request(PROMPTS[3], max_new=8, rid="logprobs", return_logprob=True)
