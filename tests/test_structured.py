@@ -226,3 +226,35 @@ def test_diffusion_gemma_canvases_are_constrained(dg_engine):
     plain = dg_engine.generate(input_ids=prompt, sampling_params=[{"max_new_tokens": 48}] * len(cases)
                                + [{"max_new_tokens": 16, "seed": 7}])
     assert outs[-1]["output_ids"] == plain[-1]["output_ids"]
+
+
+def test_the_device_functions_of_the_grammar_variant():
+    """The packed bitmask unpacks as llguidance packs it; the frontier takes the best allowed token (never the mask
+    id) with confidence 1 / entropy 0; decided tokens are not rewritten; inactive rows are untouched."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dllm_jax.decode import grammar_mask as gm
+
+    V, mask_id = 70, 3
+    allowed = np.zeros((2, V), bool)
+    allowed[0, [mask_id, 10, 40, 69]] = True
+    allowed[1, :] = True
+    words = np.packbits(np.pad(allowed, ((0, 0), (0, 96 - V))), axis=1, bitorder="little").view("<i4")
+    assert (np.asarray(gm.unpack_bitmask(jnp.asarray(words), V)) == allowed).all()
+    logits = np.zeros((2, V), np.float32)
+    logits[0, [mask_id, 5, 40]] = [9.0, 8.0, 1.0]
+    token = gm.pick_allowed(jnp.asarray(logits), jnp.asarray(allowed), mask_id=mask_id)
+    assert int(token[0]) == 40  # the mask id and the disallowed 5 are out
+    block = jnp.asarray([[1, 7, mask_id, mask_id], [1, mask_id, mask_id, mask_id]])
+    immutable = jnp.asarray([[True, False, False, False], [True, False, False, False]])
+    active = jnp.asarray([True, False])
+    cand = jnp.asarray([[2, 8, 9, 9], [2, 8, 9, 9]])
+    conf = jnp.full((2, 4), 0.5)
+    tokens, confidence, entropy = gm.constrain_frontier(cand, conf, jnp.ones((2, 4)), block, immutable, active,
+                                                        jnp.asarray([40, 41]), mask_id=mask_id)
+    assert np.asarray(tokens).tolist() == [[2, 8, 40, 9], [2, 8, 9, 9]]
+    assert float(confidence[0, 2]) == 1.0 and float(entropy[0, 2]) == 0.0 and float(confidence[1, 1]) == 0.5
+    new = jnp.asarray([[1, 8, 40, 9], [1, 8, 9, mask_id]])
+    kept = gm.keep_run(block, new, immutable, active, mask_id=mask_id)
+    assert np.asarray(kept).tolist() == [[1, 7, 40, 9], [1, 8, 9, mask_id]]
