@@ -2,7 +2,7 @@
 state as the request's blocks are decided.
 
 **The engine: llguidance** (``python -m bench.grammar_engines``, measured on the shipped tokenizer and on a trained
-32k byte-level BPE; bench/README.md has the table). Per grammar, llguidance compiles in under 1 ms where xgrammar
+32k byte-level BPE; bench/RESULTS.md has the table). Per grammar, llguidance compiles in under 1 ms where xgrammar
 takes 5 / 54 ms and outlines-core 31 / 136 ms (a JSON schema, at 768 / 32k tokens): that is paid on the request
 path, per request. It checks a run of ``k`` decided tokens in one call (``validate_tokens``, 4-7 us for 32) where
 xgrammar accepts token by token (17-28 us with the rollback); outlines-core walks a DFA (2 us) but compiles only
@@ -24,9 +24,10 @@ accepts, and the mask id is never a candidate. Keeping provisional tokens keeps 
 commits wherever they turn out valid (tokens per forward under a constraint the model's own text meets:
 ``python -m bench.structured``). Text the grammar forces (a schema's keys and punctuation) is
 written into the block by the host (llguidance's fast-forward tokens) without waiting for the model. A DINGO-style
-automaton over the whole block would allow out-of-order commits, but only for regular languages (no EBNF, no
-recursive schemas) and with a per-step dynamic program over ``[B, states, V]``; the frontier rule covers every
-grammar llguidance reads and keeps parallel commits where the model is confident left to right.
+automaton over the whole block would constrain every position of the block in one step, but only for regular
+languages (no EBNF, no recursive schemas) and with a per-step dynamic program over ``[B, states, V]`` on the
+device; the frontier rule covers every grammar llguidance reads, keeps parallel commits that turn out valid, and
+costs the device one gather and one head row per constrained row.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import threading
 
 import numpy as np
 
-from dllm_jax.engine.sampling import GRAMMAR_FIELDS  # noqa: E402,F401
+from dllm_jax.engine.sampling import GRAMMAR_FIELDS  # noqa: F401 (the fields a GrammarSpec's kind names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,8 @@ def grammar_text(spec: GrammarSpec) -> str:
             raise ValueError(f"{spec.field}: not valid JSON ({e})") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"{spec.field}: a JSON schema must be an object, got {type(schema).__name__}")
+        if schema is False:
+            raise ValueError(f"{spec.field}: the schema false accepts no value")
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(
                 schema if isinstance(schema, dict) else {}, defaults={"whitespace_flexible": False})
