@@ -72,9 +72,13 @@ def engine():
 def test_every_grammar_holds_and_an_unconstrained_neighbour_is_unchanged(engine):
     """One batch: six constrained rows (nested objects, bounded arrays, enums, bounded integers, patterned and
     optional fields; a date, an enum of words, a phone number; arithmetic) beside an unconstrained greedy row,
-    whose tokens equal those of the same batch with every neighbour unconstrained."""
+    whose tokens equal those of the same batch with every neighbour unconstrained; nothing compiles after the
+    warm-up (grammar=True)."""
+    from dllm_jax.engine.compilation import compiled_executables
+
     params = [{"max_new_tokens": 96, kind: text} for kind, text in CASES] + [{"max_new_tokens": 64}]
     prompts = PROMPTS + ["What is 12 + 7?"]
+    before = compiled_executables()
     outs = engine.generate(prompts, sampling_params=params)
     for (kind, text), out in zip(CASES, outs):
         check(kind, text, out, engine)
@@ -82,6 +86,7 @@ def test_every_grammar_holds_and_an_unconstrained_neighbour_is_unchanged(engine)
     plain = engine.generate(prompts, sampling_params=[{"max_new_tokens": 96}] * len(CASES) + [{"max_new_tokens": 64}])
     assert outs[-1]["output_ids"] == plain[-1]["output_ids"]
     assert any(o["output_ids"] != p["output_ids"] for o, p in zip(outs, plain))
+    assert compiled_executables() == before  # the grammar variant was compiled at warm-up: nothing since
 
 
 @pytest.mark.parametrize("params, field, reason", [
