@@ -7,7 +7,9 @@ at warm-up:
 * ``loose``: a regex every answer of the model already matches (``[^\\x00]*``): the constraint machinery at work
   (frontier mask, one step per call, the host check) with the model's own tokens: its pure cost;
 * ``json``: a JSON schema (``{"answer": integer, "steps": [string, ...]}``) the model was never trained on: every
-  answer valid by construction, most tokens chosen by the mask or forced by the schema.
+  answer valid by construction, most tokens chosen by the mask or forced by the schema;
+* ``mixed``: one request under that schema, the others unconstrained: what a constrained row costs its
+  unconstrained neighbours (their tokens per forward and tokens per second; their tokens are unchanged).
 
 Per mode and concurrency: tokens per forward (a request's completion tokens over its forwards, averaged), tokens per
 second (all completion tokens over the wall time of the batch), ms per forward (the batch's wall time over its
@@ -29,7 +31,8 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer", "minimu
                                            "steps": {"type": "array", "items": {"type": "string", "maxLength": 24},
                                                      "maxItems": 3}},
           "required": ["answer", "steps"], "additionalProperties": False}
-MODES = {"none": {}, "loose": {"regex": "[^\\x00]*"}, "json": {"json_schema": json.dumps(SCHEMA)}}
+MODES = {"none": {}, "loose": {"regex": "[^\\x00]*"}, "json": {"json_schema": json.dumps(SCHEMA)},
+         "mixed": "mixed"}  # the first request under the schema, the others unconstrained (their figures reported)
 
 
 def run_mode(engine, prompts: list[str], extra: dict, max_new_tokens: int) -> dict:
@@ -46,11 +49,18 @@ def run_mode(engine, prompts: list[str], extra: dict, max_new_tokens: int) -> di
     calls0, fwd0 = stats["denoise_calls"], stats["denoise_forwards"]
     try:
         t0 = time.perf_counter()
-        outs = engine.generate(prompts, sampling_params={"max_new_tokens": max_new_tokens, **extra})
+        if extra == "mixed":
+            params = [{"max_new_tokens": max_new_tokens, **MODES["json"]}] + [{"max_new_tokens": max_new_tokens}] * (
+                len(prompts) - 1)
+        else:
+            params = {"max_new_tokens": max_new_tokens, **extra}
+        outs = engine.generate(prompts, sampling_params=params)
         wall = time.perf_counter() - t0
     finally:
         del engine.compile_grammar
     outs = outs if isinstance(outs, list) else [outs]
+    if extra == "mixed" and len(outs) > 1:
+        outs = outs[1:]  # the unconstrained neighbours' figures (their wall: the batch's)
     calls, forwards = stats["denoise_calls"] - calls0, stats["denoise_forwards"] - fwd0
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     tpf = sum(o["meta_info"]["completion_tokens"] / max(1, o["meta_info"]["forward_passes"]) for o in outs) / len(outs)
