@@ -114,6 +114,20 @@ def shard_kv_pages(kv_pages, cfg: ModelConfig, mesh: Mesh):
     return [(jax.device_put(k, sharding), jax.device_put(v, sharding)) for k, v in kv_pages]
 
 
+def layer_pool_spec(kv_heads: int, mesh: Mesh) -> P:
+    """One layer's pool ``[Hkv, pages, S, D]`` where layers differ in KV heads (DiffusionGemma: sliding layers
+    ``num_kv_heads``, full layers ``num_global_kv_heads``, as their k projections' ``kv_heads`` /
+    ``global_kv_heads`` rows split): by whole heads when they divide, else replicated."""
+    axis = RULES["kv_heads"]
+    n = mesh.shape[axis]
+    return P(axis if n > 1 and kv_heads % n == 0 else None, None, None, None)
+
+
+def layer_pool_shardings(pools, mesh: Mesh):
+    """The :class:`NamedSharding` of every array of per-layer pools (tuples of ``[Hkv, pages, S, D]`` arrays)."""
+    return [tuple(NamedSharding(mesh, layer_pool_spec(a.shape[0], mesh)) for a in layer) for layer in pools]
+
+
 def vocab_shards(cfg: ModelConfig, mesh: Mesh | None) -> int:
     """Number of vocabulary shards the LM head has on this mesh (1 = replicated)."""
     if mesh is None:
