@@ -120,7 +120,7 @@ def test_sampled_regime_differences_are_float64_near_ties(model_dir):
     cfg, params = loaded.config, loaded.params
     mesh = make_mesh(2)
     sharded = shard_params(params, cfg, mesh)
-    rcfg = renoise.RenoiseConfig(max_denoising_steps=8)
+    rcfg = renoise.RenoiseConfig(max_denoising_steps=16)
     S, rows = 16, 2
     pool = gemma.init_kv_pages(cfg, {"full": 8, "sliding": 8}, S)
     tables = {k: np.asarray([[1, 2, 3], [4, 5, 6]], np.int32) for k in ("full", "sliding")}
@@ -137,7 +137,7 @@ def test_sampled_regime_differences_are_float64_near_ties(model_dir):
     embed = np.asarray(params["embed"], np.float64)
     cap, C = cfg.final_logit_softcapping, cfg.block_size
     flips = {"argmax": 0, "sample": 0, "accepted": 0}
-    draws = 0
+    draws, worst = 0, 0.0
     for _ in range(rcfg.max_denoising_steps):
         args = (seeds, canvas_index, prefix)
         one, (s1, _, a1) = step(params, cfg, rcfg, state, *args, pool, tables, draws=True)
@@ -145,13 +145,15 @@ def test_sampled_regime_differences_are_float64_near_ties(model_dir):
                                 draws=True, mesh=mesh)
         h1 = np.asarray(hidden(params, cfg, state.canvas, prefix, pool, tables, state.soft), np.float64)
         h2 = np.asarray(hidden(sharded, cfg, state.canvas, prefix, pool_tp, tables, state.soft), np.float64)
-        assert np.max(np.abs(h1 - h2)) <= 1e-5 * np.max(np.abs(h1))  # float32 rounding, not a different model
+        worst = max(worst, float(np.max(np.abs(h1 - h2)) / np.max(np.abs(h1))))
+        assert worst <= 1e-5  # float32 rounding, not a different model
         temperature = rcfg.t_min + (rcfg.t_max - rcfg.t_min) * np.asarray(state.step, np.float64) / \
             rcfg.max_denoising_steps
         z1, z2 = (cap * np.tanh(h @ embed.T / cap) / temperature[:, None, None] for h in (h1, h2))
         keys = R.draw_key(seeds[:, None], canvas_index[:, None], np.asarray(state.step)[:, None],
                           np.arange(C)[None, :], stream=renoise.STREAM_SAMPLE)
-        bits = np.asarray(R.mix32(keys[..., None] ^ R.mix32(jnp.arange(VOCAB, dtype=jnp.uint32) * jnp.uint32(R.GOLDEN))))
+        ids = jnp.arange(VOCAB, dtype=jnp.uint32)
+        bits = np.asarray(R.mix32(keys[..., None] ^ R.mix32(ids * jnp.uint32(R.GOLDEN))))  # as R.gumbel hashes
         gumbel = -np.log(-np.log(((bits >> 8).astype(np.float64) + 0.5) / (1 << 24)))
         # how far the sharded hidden states move each logit (float64), plus float32's own resolution of a logit
         drift = np.max(np.abs(z1 - z2), axis=-1) + 1e-6 * np.max(np.abs(z1))
@@ -173,7 +175,8 @@ def test_sampled_regime_differences_are_float64_near_ties(model_dir):
         flips["accepted"] += int(differ.sum())
         assert np.all((near_order | near_bound)[differ])
         state = one
-    print(f"sampled regime, TP 2 vs one device, {draws} positions: {flips} differ, each a float64 near-tie")
+    print(f"sampled regime, TP 2 vs one device, {draws} positions: {flips} differ, each a float64 near-tie; "
+          f"hidden states differ by at most {worst:.2e} (relative)")
 
 
 def _entropy(z):
