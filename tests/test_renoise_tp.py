@@ -184,3 +184,26 @@ def _entropy(z):
     p = np.exp(z)
     p /= p.sum(-1, keepdims=True)
     return -(p * np.log(p)).sum(-1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])
+def test_vocabulary_pass_over_four_shards_decides_as_one(backend):
+    """The sharded pass itself (under ``shard_map`` on 4 devices, penalty tables and top-k included): the decisions
+    of the whole pass, bit for bit; the sums within float32 rounding."""
+    from test_renoise_kernel import _case, _check, _tables
+
+    from dllm_jax.decode.renoise import vocab_parallel_stats
+    from dllm_jax.sharding import make_mesh
+    from pallas_kernels import renoise as R
+
+    rows, row_len, v, h = 2, 4, 300, 24
+    rng = np.random.default_rng(3)
+    hidden, embed, _, _ = _case(n=rows * row_len, h=h, v=v, seed=2)
+    temps = jnp.asarray(np.repeat(rng.uniform(0.4, 0.8, rows), row_len), jnp.float32)
+    keys = R.draw_key(3, 0, jnp.arange(rows * row_len) // row_len, jnp.arange(rows * row_len) % row_len)
+    kw = dict(softcap=30.0, adjust=_tables(rows, row_len, v, 16, rng), row_len=row_len, top_k=3, embed_scale=h ** 0.5)
+    want = R.renoise_stats_reference(hidden, embed, embed, temps, keys, **kw)
+    got = vocab_parallel_stats(backend, make_mesh(4), hidden, embed, embed, temps, keys, **kw)
+    _check(got, want)
+    np.testing.assert_array_equal(np.asarray(got.top_ids), np.asarray(want.top_ids))
