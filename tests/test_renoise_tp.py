@@ -25,9 +25,12 @@ from dllm_jax.testing.tokenizer_files import write_gemma_tokenizer  # noqa: E402
 
 EXACT = {"t_min": 0.0, "t_max": 1e-3, "entropy_bound": 1e9, "max_denoising_steps": 4}
 VOCAB = 408  # divides 2, 4 and 8: the vocabulary (embedding = tied LM head) splits over tp
-# one prompt of a partial page, one over a page (two encode chunks of 16); 8 tokens = two canvases of 4
-PROMPTS = [[5, 9, 33, 70, 81, 90, 120, 7, 8, 9, 10], list(range(20, 41))]
-PARAMS = [{"max_new_tokens": 8, "seed": 100 + i, "ignore_eos": True} for i in range(len(PROMPTS))]
+# two prompts over a page (each encodes in two chunks of 16): every call's page tables are 2 pages wide (context 32)
+PROMPTS = [[5, 9, 33, 70, 81, 90, 120, 7, 8, 9, 10, 11, 12, 300, 301, 302, 303], list(range(20, 41))]
+# the main suite's case: one canvas of 4 (two executables per engine: a one-row encode, the denoise loop); the slow
+# cases: two canvases (the finished first canvases encode together: a two-row encode)
+PARAMS = [{"max_new_tokens": 4, "seed": 100 + i, "ignore_eos": True} for i in range(len(PROMPTS))]
+LONG = [dict(p, max_new_tokens=8) for p in PARAMS]
 
 
 @pytest.fixture(scope="module")
@@ -43,20 +46,30 @@ def model_dir(tmp_path_factory):
 
 def _engine(model_dir, **kw):
     return dllm_jax.Engine(model_path=model_dir, warmup=False, algorithm_config=EXACT, max_running_requests=2,
-                           max_prefill_tokens=16, context_length=64, **kw)
+                           max_prefill_tokens=16, context_length=32, **kw)
 
 
-def _answers(engine):
-    outs = [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)]
+def _answers(engine, params=PARAMS):
+    outs = [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=params)]
     engine.scheduler.check_pages()
     return outs
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir):
+def one_device(model_dir):
     engine = _engine(model_dir)
-    yield _answers(engine)
+    yield engine
     engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(one_device):
+    return _answers(one_device)
+
+
+@pytest.fixture(scope="module")
+def long_reference(one_device):
+    return _answers(one_device, LONG)
 
 
 def _per_device_bytes(x):
@@ -89,7 +102,7 @@ def test_tp2_gives_the_tokens_of_one_device_and_is_split(model_dir, reference):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,ep,schedule", [(4, 1, "fdfo"), (4, 1, "sync"), (1, 4, "fdfo"), (2, 2, "sync")])
-def test_tp4_and_expert_parallel_give_the_tokens_of_one_device(model_dir, reference, tp, ep, schedule):
+def test_tp4_and_expert_parallel_give_the_tokens_of_one_device(model_dir, long_reference, tp, ep, schedule):
     """TP 4 (the KV heads do not divide: the pools stay whole, q heads and MLPs split), experts over 4 devices,
     and 2 x 2; both schedules."""
     engine = _engine(model_dir, tensor_parallel_size=tp, expert_parallel_size=ep, schedule=schedule)
@@ -97,7 +110,7 @@ def test_tp4_and_expert_parallel_give_the_tokens_of_one_device(model_dir, refere
         experts = engine.runner.params["layers"][0]["experts_gate"]
         assert experts.sharding.spec[0] == ("expert" if ep > 1 else None)
         assert _per_device_bytes(experts) * ep * tp == experts.nbytes
-        assert _answers(engine) == reference
+        assert _answers(engine, LONG) == long_reference
     finally:
         engine.shutdown()
 
