@@ -116,6 +116,35 @@ def test_tp4_and_expert_parallel_give_the_tokens_of_one_device(model_dir, long_r
 
 
 @pytest.mark.slow
+def test_penalties_and_top_logprobs_over_tp2(model_dir, one_device):
+    """The penalty and top-k variants on a mesh (their tables sent as the call's inputs, applied per vocabulary
+    shard by global token id, top-k merged across shards): the tokens, log-probabilities and top tokens of one
+    device, and the bias really acts (a banned token never appears, a favoured one wins)."""
+    options = [{"repetition_penalty": 1.3, "presence_penalty": 1.0, "logit_bias": {"7": 100.0, "300": -100.0},
+                "top_logprobs_num": 3}, {"frequency_penalty": 0.5, "logit_bias": {"21": -100.0}}]
+    params = [dict(p, **o, return_logprob=True) for p, o in zip(LONG, options)]
+
+    def run(engine):
+        outs = engine.generate(input_ids=PROMPTS, sampling_params=params)
+        engine.scheduler.check_pages()
+        return [(o["output_ids"], o["meta_info"]["output_token_logprobs"],
+                 o["meta_info"].get("output_top_logprobs")) for o in outs]
+
+    want = run(one_device)
+    engine = _engine(model_dir, tensor_parallel_size=2)
+    try:
+        got = run(engine)
+    finally:
+        engine.shutdown()
+    assert [g[0] for g in got] == [w[0] for w in want]
+    assert 7 in want[0][0] and 300 not in want[0][0] and 21 not in want[1][0]
+    for (_, lp_got, top_got), (_, lp_want, top_want) in zip(got, want):
+        np.testing.assert_allclose([x[0] for x in lp_got], [x[0] for x in lp_want], rtol=1e-5, atol=1e-5)
+        if top_want:
+            assert [[t[1] for t in pos] for pos in top_got] == [[t[1] for t in pos] for pos in top_want]
+
+
+@pytest.mark.slow
 def test_sampled_regime_differences_are_float64_near_ties(model_dir):
     """One denoise step at a time, on the same inputs (the one-device step's state fed to both), in the default
     sampled regime: where the TP 2 step's sample or argmax differs from one device's, the float64 margin between
