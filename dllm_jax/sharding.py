@@ -10,7 +10,8 @@ The mesh has two axes, ``("expert", "tp")``: dense models use only ``tp``; MoE m
 ``expert`` and each expert's intermediate dimension over ``tp``. XLA's SPMD partitioner (GSPMD) inserts the
 collectives from these annotations; the Pallas kernels run per shard under ``shard_map``, and the confidence
 selection reduces each shard's vocabulary slice to a (max, sum-exp, argmax) triple before combining, so full
-logits never exist on one device.
+logits never exist on one device (DiffusionGemma's renoise pass likewise merges per-shard partials:
+:func:`dllm_jax.decode.renoise.vocab_parallel_stats`; its layers' pools differ in KV heads: :func:`layer_pool_spec`).
 
 Multi-host: call :func:`dllm_jax.distributed.initialize` on every host first; ``jax.devices()`` then spans all
 hosts and the same mesh code shards over them.
