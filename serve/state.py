@@ -118,6 +118,27 @@ class Server:
             out.append(ids)
         return out
 
+    async def prepare_images(self, items: list, fields: list[str]) -> list:
+        """Each prompt's images (``image_data`` per prompt, None: none) decoded and preprocessed in a worker thread
+        (:mod:`dllm_jax.engine.images`; local paths refused: the server reads no file for a client). A 400 names
+        the field: a model without a vision tower, not an image, too large, too many."""
+        if all(item is None for item in items):
+            return items
+        reader = self.engine.images
+        if reader is None:
+            field = next(f for f, item in zip(fields, items) if item is not None)
+            raise ApiError(400, f"{field}: this model reads text only (no vision tower: "
+                                f"{self.engine.config.architecture})", field)
+
+        def prepare():
+            try:
+                return [None if item is None else reader.prepare(item, field, allow_paths=False)
+                        for item, field in zip(items, fields)]
+            except ValueError as e:
+                raise bad_request(str(e)) from None
+
+        return await run_in_threadpool(prepare)
+
     @functools.cached_property
     def tokenizer_keeps_nul(self) -> bool:
         """Whether a NUL in a prompt survives the tokenizer (byte-level BPE keeps it; others may drop or replace
@@ -171,11 +192,13 @@ class Server:
     def start_batch(self, ids_list: list[list[int]], params_list: list[dict], fields: list[str], *,
                     stream: bool, rids: list[str | None] | None = None, renames: dict | None = None,
                     provisional: bool = False, batch_field: str | None = None,
-                    params_fields: list[str] | None = None) -> "Batch":
+                    params_fields: list[str] | None = None, images: list | None = None,
+                    image_fields: list[str] | None = None) -> "Batch":
         """Validate every engine request, check capacity, then submit them all (or none). ``fields`` name each
         request's prompt in errors, ``params_fields`` its sampling params (default ``sampling_params``; an engine
         error naming a bare parameter is put under it, then ``renames`` apply); ``batch_field`` names what made the
-        batch too large (default: the prompt)."""
+        batch too large (default: the prompt). ``images``: each request's prepared images (:meth:`prepare_images`;
+        None: none), named ``image_fields`` in errors."""
         if not self.ready:
             raise self.unavailable()
         n = len(ids_list)
@@ -194,7 +217,9 @@ class Server:
             try:
                 reqs.append(self.engine.make_request(ids, params, rid=rid or uuid.uuid4().hex,
                                                      on_event=batch.on_event_for(i), field=field,
-                                                     provisional=provisional, stream=stream))
+                                                     provisional=provisional, stream=stream,
+                                                     image_data=images[i] if images else None,
+                                                     image_field=image_fields[i] if image_fields else "image_data"))
             except ValueError as e:
                 prefix = params_fields[i] if params_fields else "sampling_params"
                 raise bad_request(qualify(str(e), prefix, features.engine_sampling_fields()), renames) from None

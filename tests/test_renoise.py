@@ -95,8 +95,8 @@ class _DraftRecorder:
         pass
 
 
-def _our_run(params, cfg, rcfg, prompt, max_new, seed):
-    loop = RenoiseLoop(params, cfg, rcfg)
+def _our_run(params, cfg, rcfg, prompt, max_new, seed, *, vision=None, images=None):
+    loop = RenoiseLoop(params, cfg, rcfg, vision=vision)
     randint, multinomial, drafts = [], [], []
     canvases_seen = set()
 
@@ -110,7 +110,7 @@ def _our_run(params, cfg, rcfg, prompt, max_new, seed):
         randint.append(np.asarray(noise))
         drafts.append(np.asarray(state.argmax)[0].tolist())
 
-    result = loop.generate([prompt], [max_new], [seed], on_step=on_step)[0]
+    result = loop.generate([prompt], [max_new], [seed], on_step=on_step, images=images)[0]
     return result, randint, multinomial, drafts
 
 

@@ -182,7 +182,12 @@ REFUSED = [
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}]},
-     "messages[0].content[1].type"),
+     "messages[0].content[1].image_url.url"),  # not an image's data URL
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [  # an image, to a model reading text only
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]},
+     "messages[0].content[0].image_url"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+     "messages[0].content[0].type"),
     ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1, "stream": True}, "stream"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5000": 1}}, "logit_bias.5000"),

@@ -204,6 +204,11 @@ def test_in_process_app_incremental_streaming(tiny_model):
         assert len(parts) >= 2 and all(parts)  # prompt tail block, then whole blocks of 4
         r = client.post("/generate", json={"text": "hello"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "text"
+        r = client.post("/generate", json={**body, "image_data": "data:image/png;base64,AAAA"})  # no vision tower
+        assert r.status_code == 400 and r.json()["error"]["param"] == "image_data"
+        assert "reads text only" in r.json()["error"]["message"]
+        with pytest.raises(ValueError, match="image_data: this model reads text only"):  # and from Python
+            engine.make_request([5, 6, 7], image_data=b"\x89PNG")
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
         load = client.get("/internal/load").json()

@@ -23,7 +23,7 @@ import numpy as np
 
 from dllm_jax.config import ModelConfig
 from dllm_jax.decode import renoise, renoise_tables
-from dllm_jax.model import gemma
+from dllm_jax.model import gemma, vision
 from pallas_kernels import next_pow2
 
 PAGE = 16  # tokens per KV page
@@ -41,8 +41,9 @@ class RowResult:
 
 class RenoiseLoop:
     def __init__(self, params, cfg: ModelConfig, rcfg: renoise.RenoiseConfig, *, backend: str = "xla",
-                 dtype=jnp.float32):
+                 dtype=jnp.float32, vision=None):
         self.params, self.cfg, self.rcfg, self.backend, self.dtype = params, cfg, rcfg, backend, jnp.dtype(dtype)
+        self.vision = vision  # (tower params, VisionConfig): prompts with images
         self._encode = jax.jit(functools.partial(gemma.encode_chunk, cfg=cfg), donate_argnames="kv_pages")
         self._step = jax.jit(functools.partial(renoise.denoise_step, cfg=cfg, rcfg=rcfg, backend=backend),
                              static_argnames=("draws", "top_k"))
@@ -50,13 +51,15 @@ class RenoiseLoop:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: list[int], seeds: list[int], *,
                  eos_token_ids=(), ignore_eos: list[bool] | None = None, options: list[dict] | None = None,
-                 top_k: int = 0, on_step: Callable | None = None, on_canvas: Callable | None = None
-                 ) -> list[RowResult]:
+                 top_k: int = 0, on_step: Callable | None = None, on_canvas: Callable | None = None,
+                 images: list | None = None) -> list[RowResult]:
         """Decode every prompt. ``on_step(canvas_index, state, draws)`` after each step; ``on_canvas(row,
         tokens)`` when a row appends a canvas (streaming). ``options``: per row, the keyword arguments of
         :func:`dllm_jax.decode.renoise_tables.canvas_entries` other than history / prompt_len / canvas_len
         (penalties, biases, min_new with its stop ids; EOS ends a row at the first EOS id or ``stop_ids`` entry);
-        ``top_k``: also each output token's ``top_k`` most likely tokens."""
+        ``top_k``: also each output token's ``top_k`` most likely tokens. ``images``: per row, the prompt's images
+        as ``(image, first position, count)`` (:class:`dllm_jax.engine.images.PreparedImage`, its span of image
+        tokens in the expanded prompt)."""
         cfg, canvas_len = self.cfg, self.cfg.block_size
         rows = len(prompts)
         ignore_eos = ignore_eos or [False] * rows
@@ -73,8 +76,9 @@ class RenoiseLoop:
         for r, p in enumerate(prompts):
             tokens[r, :len(p)] = p
         lengths = np.asarray([len(p) for p in prompts], np.int32)
+        extra = {"images": self._images(images, rows, chunk)} if images and any(images) else {}
         pool = self._encode(self.params, tokens=jnp.asarray(tokens), prefix_len=jnp.zeros(rows, jnp.int32),
-                            num_tokens=jnp.asarray(lengths), kv_pages=pool, page_tables=tables)
+                            num_tokens=jnp.asarray(lengths), kv_pages=pool, page_tables=tables, **extra)
         seeds_dev = jnp.asarray(np.asarray(seeds, np.int64).astype(np.uint32))
         results = [RowResult([], "length", 0, [], []) for _ in range(rows)]
         done = np.zeros(rows, bool)
@@ -133,3 +137,11 @@ class RenoiseLoop:
                                 page_tables=tables)
             lengths = lengths + canvas_len
         return results
+
+    def _images(self, images, rows: int, chunk: int):
+        vparams, vcfg = self.vision
+        entries = [[(img, first, 0, count) for img, first, count in row or ()] for row in images]
+        pixels, positions, slots = vision.tower_batch([e[0] for row in entries for e in row])
+        features = vision.image_features(vparams, jnp.asarray(pixels), jnp.asarray(positions), vcfg)
+        index, group = vision.placement(rows, chunk, features.shape[1], entries, slots, vcfg.bidirectional)
+        return features.reshape(-1, features.shape[-1]), jnp.asarray(index), jnp.asarray(group)

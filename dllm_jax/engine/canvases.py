@@ -18,6 +18,9 @@ run out the cache gives back sliding pages, then whole leaves, then the newest o
 same draws). Prefix reuse: complete pages of encoded real tokens enter the index as they are encoded (and when a
 request finishes or is retracted); an admitted request starts from the longest cached prefix whose window is
 cached too, and encodes only the rest.
+
+Images (:mod:`dllm_jax.engine.images`): the index keys an image's tokens by its image's digest, and a chunk never
+cuts an image (its tokens may attend to each other both ways): it stops before the image, or runs to its end.
 """
 
 from __future__ import annotations
@@ -69,12 +72,12 @@ class Canvases:
     def admit(self, req: Request):
         """A slot, the longest cached prefix (its pages, our own references), pages for the first chunk."""
         self._slot[req] = min(set(range(self.slots)) - set(self._slot.values()))
-        full, sliding = self.index.match(req.real_ids)
+        full, sliding = self._match(req)
         self.index.take(full, sliding)
         self._kv_len[req] = len(full) * self.S
         self._sliding_pages[req] = sliding
         req.pages, req.own_pages = list(full), set(full)
-        if not self._pages_for(req, min(req.real_len, self._kv_len[req] + self.chunk), retract=False):
+        if not self._pages_for(req, self._chunk_end(req), retract=False):
             self.release(req, keep=False)
             # alone and still too long: it can never run
             return Refuse("the request does not fit the KV pool") if not self.s.running else Admission.WAIT
@@ -83,6 +86,36 @@ class Canvases:
             req.phase = Phase.DECODE
             self._starting.add(req)
         return Admission.ADMIT
+
+    def _match(self, req: Request) -> tuple[list[int], list[int]]:
+        """The longest cached prefix (keyed by :attr:`Request.cache_keys`: an image's tokens by its digest). It may
+        end inside an image (the next chunk then holds the image's rest), except where an image's tokens attend
+        to each other both ways and the image is as long as the window: its rest would read its first tokens
+        through sliding layers beyond the window, which the sliding pool does not keep; such a match stops
+        before the image."""
+        keys = req.cache_keys
+        vision = self.runner.vision
+        if vision is None or not vision[1].bidirectional or self.window is None:
+            return self.index.match(keys)
+        while True:
+            full, sliding = self.index.match(keys)
+            end = len(full) * self.S
+            cut = next((start for start, count, _ in req.image_spans
+                        if start < end < start + count and count >= self.window), None)
+            if cut is None:
+                return full, sliding
+            keys = keys[:cut]
+
+    def _chunk_end(self, req: Request) -> int:
+        """Where the request's next encode chunk ends: ``max_prefill_tokens`` on, moved back to the start of an
+        image it would cut (or on to the image's end, when the chunk starts at or inside the image): an image's
+        tokens are encoded together (they may attend to each other both ways)."""
+        start = self._kv_len.get(req, 0)
+        end = min(req.real_len, start + self.chunk)
+        for first, count, _ in req.image_spans:
+            if first < end < first + count:
+                end = first if first > start else first + count
+        return end
 
     def cached_len(self, req: Request) -> int:
         return self._kv_len[req]
@@ -145,7 +178,7 @@ class Canvases:
         """Offer the request's complete pages of encoded real tokens to the prefix index."""
         kv_len = self._kv_len.get(req, 0)
         if kv_len >= self.S:
-            self.index.insert(req.real_ids[:kv_len], req.pages, self._sliding_pages.get(req, []))
+            self.index.insert(req.cache_keys[:kv_len], req.pages, self._sliding_pages.get(req, []))
 
     def _tables(self, reqs: list[Request], *, by_slot: bool) -> dict:
         """Page tables: row = slot (a denoise call: every slot) or the request's index in ``reqs`` (an encode call)."""
@@ -166,7 +199,7 @@ class Canvases:
         """Encode the real tokens admitted requests still have to (a chunk each; finished canvases too)."""
         ready = []
         for req in reqs:
-            end = min(req.real_len, self._kv_len.get(req, 0) + self.chunk)
+            end = self._chunk_end(req)
             if req in self.s.running and self._pages_for(req, end, retract=retract):
                 ready.append(req)
             elif req in self.s.running and retract:
@@ -174,7 +207,7 @@ class Canvases:
         ready = [r for r in ready if r in self.s.running]  # (a later allocation may have retracted an earlier one)
         if not ready:
             return None
-        tokens = [r.real_ids[self._kv_len[r]:self._kv_len[r] + self.chunk] for r in ready]
+        tokens = [r.real_ids[self._kv_len[r]:self._chunk_end(r)] for r in ready]
         tables = self._tables(ready, by_slot=False)
         compiler = self.runner.compiler
         if compiler.warmed and compiler.background and len(ready) > 1:  # (followers: compiled in line, in step)
@@ -183,7 +216,16 @@ class Canvases:
                 compiler.compile_soon(key)
                 ready, tokens = ready[:1], tokens[:1]
                 tables = self._tables(ready, by_slot=False)
-        return EncodeCall(ready, tokens, [self._kv_len[r] for r in ready], tables)
+        images = [self._chunk_images(r, len(t)) for r, t in zip(ready, tokens)]
+        return EncodeCall(ready, tokens, [self._kv_len[r] for r in ready], tables,
+                          images if any(images) else None)
+
+    def _chunk_images(self, req: Request, length: int) -> list:
+        """The images whose tokens the request's next chunk (``length`` tokens) holds (an image's rest, after a
+        cached prefix that ends inside it): (image, offset in the chunk, first soft token, count)."""
+        start = self._kv_len[req]
+        return [(req.images[k], max(0, first - start), max(0, start - first), first + count - max(first, start))
+                for first, count, k in req.image_spans if first + count > start and first < start + length]
 
     def _commit_encode(self, call: EncodeCall) -> None:
         self.s.stats["prefill_forwards"] += 1

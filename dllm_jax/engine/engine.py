@@ -275,7 +275,7 @@ class Engine(Rounds, RequestInputs, EngineInfo, Profiling, WeightUpdates, PauseG
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, stream: bool = False, *,
                  rid: str | list[str] | None = None, stream_provisional: bool = False,
-                 return_logprob: bool | None = None, top_logprobs_num: int | None = None):
+                 return_logprob: bool | None = None, top_logprobs_num: int | None = None, image_data=None):
         """Generate for one prompt (dict result), a batch (list of dicts) or, with ``stream=True``, one prompt
         as an iterator of committed-block chunks (``text`` / ``output_ids`` are the new part; the last chunk has
         ``finished: True`` and the full ``meta_info``). With ``stream_provisional=True`` the stream also carries,
@@ -286,8 +286,14 @@ class Engine(Rounds, RequestInputs, EngineInfo, Profiling, WeightUpdates, PauseG
         ``return_logprob`` / ``top_logprobs_num`` (SGLang's arguments; the same as the sampling params of those
         names) add ``meta_info["output_token_logprobs"]`` (``[logprob, token_id, None]`` per output token) and
         ``meta_info["output_top_logprobs"]`` (per output token, the k most likely such triples); see
-        :meth:`meta_info`."""
+        :meth:`meta_info`.
+
+        ``image_data`` (a model with a vision tower: DiffusionGemma): the images of a prompt, each image bytes, a
+        path, base64 text or a data URL, one image or a list of them; for a batch, a list with one such entry per
+        prompt (None: no image). The prompt holds one image token per image, where it goes (the chat template
+        writes it for an image part); see :mod:`dllm_jax.engine.images`."""
         ids_list, single = self._inputs(prompt, input_ids)
+        images_list = _per_prompt_images(image_data, len(ids_list), single)
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(ids_list):
                 raise ValueError(f"sampling_params: {len(sampling_params)} entries for {len(ids_list)} prompts")
@@ -302,12 +308,14 @@ class Engine(Rounds, RequestInputs, EngineInfo, Profiling, WeightUpdates, PauseG
         if stream:
             if not single:
                 raise ValueError("stream: streaming takes a single prompt")
-            return self._stream(ids_list[0], params_list[0], rids[0], stream_provisional)
+            return self._stream(ids_list[0], params_list[0], rids[0], stream_provisional, images_list[0])
         reqs = []
         for i, (ids, params) in enumerate(zip(ids_list, params_list)):
             field = "input_ids" if single else f"input_ids[{i}]"
             w = FinishWatcher()
-            reqs.append(self.make_request(ids, params, rid=rids[i], on_event=w, field=field))
+            reqs.append(self.make_request(ids, params, rid=rids[i], on_event=w, field=field,
+                                          image_data=images_list[i],
+                                          image_field="image_data" if single else f"image_data[{i}]"))
         for req in reqs:
             self.submit(req)
         self._wait(reqs)
@@ -322,9 +330,10 @@ class Engine(Rounds, RequestInputs, EngineInfo, Profiling, WeightUpdates, PauseG
         while not all(r.finished for r in reqs):
             self.step() or time.sleep(0.002)  # False while paused
 
-    def _stream(self, ids, params, rid, provisional: bool = False) -> Iterator[dict]:
+    def _stream(self, ids, params, rid, provisional: bool = False, image_data=None) -> Iterator[dict]:
         sink = ChunkSink(self)
-        req = self.make_request(ids, params, rid=rid, on_event=sink, provisional=provisional, stream=True)
+        req = self.make_request(ids, params, rid=rid, on_event=sink, provisional=provisional, stream=True,
+                                image_data=image_data)
         self.submit(req)
         try:
             while True:
@@ -361,6 +370,19 @@ class Engine(Rounds, RequestInputs, EngineInfo, Profiling, WeightUpdates, PauseG
 
     def provisional_chunk(self, req: Request) -> dict:
         return self.output.provisional_chunk(req)
+
+
+def _per_prompt_images(image_data, count: int, single: bool) -> list:
+    """``image_data`` per prompt: a single prompt's is its own (one image or a list); a batch's is a list with an
+    entry per prompt."""
+    if image_data is None:
+        return [None] * count
+    if single:
+        return [image_data]
+    if not isinstance(image_data, (list, tuple)) or len(image_data) != count:
+        raise ValueError(f"image_data: for a batch of {count} prompts, a list with one entry per prompt (None: no "
+                         f"image)")
+    return list(image_data)
 
 
 _default_engine: Engine | None = None

@@ -19,6 +19,7 @@ import logging
 import math
 
 import jax
+import jax.numpy as jnp
 
 from dllm_jax import compile_cache
 from dllm_jax.cache.pages import PageAllocator
@@ -140,12 +141,16 @@ def build_canvases(engine, loaded, o, channel):
         from dllm_jax.distributed import default_channel
 
         channel = default_channel()
+    # (several processes: the text model only, images a 400 -- the tower's inputs do not travel to followers yet)
+    vision = _load_vision(engine, cfg, o.dtype) if channel is None else None
     engine.runner = RenoiseRunner(loaded.params, cfg, engine.rcfg,
                                   num_pages={FULL_KIND: budget.num_pages, SLIDING_KIND: sliding_pages},
                                   page_size=S, max_rows=o.max_running_requests,
                                   max_pages_per_row=-(-engine.context_length // S), max_chunk=chunk,
                                   first_finish=o.schedule != "sync", backend=engine.confidence_backend,
-                                  dtype=o.dtype, mesh=mesh, channel=channel)
+                                  dtype=o.dtype, vision=vision,
+                                  vision_patches=engine.images.max_patches if vision else 0, mesh=mesh,
+                                  channel=channel)
     engine.output = Output(engine.tokenizer, block_size=C, mask_token_id=None)
     policy = Canvases(engine.runner, canvas=C, window=window, max_running_requests=o.max_running_requests,
                       max_steps_per_call=o.max_steps_per_call or 1 << 30, max_prefill_tokens=chunk,
@@ -167,6 +172,26 @@ def _page_bytes(cfg, page_size: int, dtype, mesh, *, sliding: bool) -> int:
     from dllm_jax.plan import kv_page_bytes_per_device
 
     return kv_page_bytes_per_device(cfg, page_size, dtype, mesh, sliding=sliding)
+
+
+def _load_vision(engine, cfg, dtype):
+    """The vision tower and the image reader of a checkpoint that carries one (None: text only; a converted
+    directory keeps the text model alone)."""
+    from dllm_jax.engine.images import ImageInputs
+    from dllm_jax.model.vision import VisionConfig
+    from dllm_jax.model.vision_params import has_vision_tower, load_vision_params
+
+    vcfg = VisionConfig.from_model_dir(engine.model_path)
+    if vcfg is None or not has_vision_tower(engine.model_path):
+        return None
+    if max(vcfg.image_token_id, vcfg.boi_token_id, vcfg.eoi_token_id) >= cfg.vocab_size:
+        log.warning("the image tokens are outside the vocabulary: images are not served")
+        return None
+    vparams = load_vision_params(engine.model_path, vcfg, cfg.hidden_size, jnp.dtype(dtype))
+    engine.images = ImageInputs(engine.model_path, vcfg)
+    log.info("vision tower loaded: %d layers, %d soft tokens per image at most", vcfg.num_layers,
+             engine.images.soft_tokens)
+    return vparams, vcfg
 
 
 SERVING = {"mask": build_mask_blocks, "canvas": build_canvases}

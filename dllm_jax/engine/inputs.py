@@ -23,10 +23,15 @@ MAX_RID_CHARS = 256
 
 
 class RequestInputs:
+    images = None  # the family's image reader (dllm_jax/engine/images.py), None: text only
+
     def make_request(self, input_ids: list[int], sampling_params: dict | SamplingParams | None = None, *,
                      rid: str | None = None, on_event: Callable | None = None,
-                     field: str = "input_ids", provisional: bool = False, stream: bool = False) -> Request:
-        """Validate one request (ValueError naming the field on bad input) and build it; does not enqueue."""
+                     field: str = "input_ids", provisional: bool = False, stream: bool = False,
+                     image_data=None, image_field: str = "image_data") -> Request:
+        """Validate one request (ValueError naming the field on bad input) and build it; does not enqueue.
+        ``image_data``: the prompt's images (one or a list; :mod:`dllm_jax.engine.images`), each where the prompt
+        has an image token."""
         params = self._sampling_params(sampling_params)
         for name, neutral in self.capabilities.refused_params:  # what this family's decoding cannot apply
             if getattr(params, name) != neutral:
@@ -40,6 +45,17 @@ class RequestInputs:
         if input_ids and not (min(input_ids) >= 0 and max(input_ids) < vocab):
             i, t = next((i, t) for i, t in enumerate(input_ids) if not 0 <= t < vocab)
             raise ValueError(f"{field}[{i}]: token id {t} is outside the vocabulary [0, {vocab})")
+        images, spans, keys = (), (), None
+        if image_data is not None and not (isinstance(image_data, (list, tuple)) and not image_data):
+            reader = getattr(self, "images", None)
+            if reader is None:
+                raise ValueError(f"{image_field}: this model reads text only (no vision tower: "
+                                 f"{self.config.architecture})")
+            from dllm_jax.engine.images import cache_keys
+
+            images = tuple(reader.prepare(image_data, image_field))
+            input_ids, spans = reader.expand(list(map(int, input_ids)), list(images), image_field)
+            keys = cache_keys(input_ids, images, spans)
         first_block_end = (len(input_ids) // self.block_size + 1) * self.block_size
         if first_block_end > self.context_length:
             raise ValueError(f"{field}: the prompt has {len(input_ids)} tokens; with a block of {self.block_size} it "
@@ -52,7 +68,8 @@ class RequestInputs:
             check_text(rid, "rid")
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2 ** 32))
         return Request(rid=rid or uuid.uuid4().hex, prompt_ids=list(map(int, input_ids)), params=params,
-                       seed=seed, on_event=on_event, provisional=provisional, stream=stream or provisional)
+                       seed=seed, on_event=on_event, provisional=provisional, stream=stream or provisional,
+                       images=images, image_spans=spans, prompt_keys=keys)
 
     def _sampling_params(self, sampling_params) -> SamplingParams:
         """Validated params over the model's defaults. Requests often share their params (a client's fixed

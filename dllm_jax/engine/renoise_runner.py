@@ -9,7 +9,8 @@ page tables, and gets back only what the host needs (which rows finished, their 
 * :meth:`denoise` -- denoising steps on the device (a ``while_loop``) until the first live row finishes its canvas
   (FDFO) or all do (sync), at most ``max_steps``.
 
-Shape buckets (:meth:`buckets`; compiled by :meth:`warmup`, every dimension a power of two): a denoise call is
+Shape buckets (:meth:`buckets`; compiled by :meth:`warmup`, every dimension a power of two; with a vision tower
+also the tower over one image): a denoise call is
 ``CanvasKey(width)`` (every slot, the page tables ``width`` pages wide); an encode call ``EncodeKey(rows, chunk,
 width)``. Warm-up compiles every denoise width, encodes of one row at every chunk its prefix can follow (a prompt
 or its chunks), and encodes of 2, 4, ... rows of one canvas each (finished canvases, encoded together). Any other
@@ -41,6 +42,7 @@ from dllm_jax.decode.rows import MAX_TOP_LOGPROBS
 from dllm_jax.engine.calls import Pending
 from dllm_jax.engine.compilation import Compiler, pow2_buckets
 from dllm_jax.model import gemma
+from dllm_jax.model import vision as vision_model
 from pallas_kernels import next_pow2
 
 
@@ -52,6 +54,8 @@ class EncodeCall:
     tokens: list[list[int]]
     starts: list[int]
     tables: dict  # kind -> [rows, width] int32 page ids
+    # per row, the images whose tokens are in its chunk: (image, offset in the chunk, first soft token, count)
+    images: list | None = None
 
 
 @dataclasses.dataclass
@@ -92,6 +96,11 @@ class EncodeKey(NamedTuple):
     width: int
 
 
+class VisionKey(NamedTuple):
+    kind: str  # "vision": the tower over ``images`` images (a power of two)
+    images: int
+
+
 class CanvasKey(NamedTuple):
     kind: str  # "canvas"
     width: int
@@ -102,8 +111,11 @@ class CanvasKey(NamedTuple):
 class RenoiseRunner:
     def __init__(self, params, cfg: ModelConfig, rcfg: renoise.RenoiseConfig, *, num_pages: dict, page_size: int,
                  max_rows: int, max_pages_per_row: int, max_chunk: int, first_finish: bool = True,
-                 backend: str = "xla", dtype=jnp.float32, mesh=None, channel=None):
+                 backend: str = "xla", dtype=jnp.float32, vision=None, vision_patches: int = 0, mesh=None,
+                 channel=None):
         self.params, self.cfg, self.rcfg = params, cfg, rcfg
+        self.vision = vision  # (tower params, VisionConfig) of a checkpoint served with images, else None
+        self.vision_patches = vision_patches  # patches per image (the image processor's budget)
         self.mesh, self.channel = mesh, channel  # channel: multi-process, how the leader's calls reach followers
         self.device_calls = 0
         self.page_size, self.max_rows, self.dtype = page_size, max_rows, jnp.dtype(dtype)
@@ -138,6 +150,8 @@ class RenoiseRunner:
         self.calls = {"encode": 0, "denoise": 0, "steps": 0}
         self._encode = jax.jit(functools.partial(gemma.encode_chunk, cfg=cfg), donate_argnames="kv_pages",
                                **encode_kw)
+        if vision is not None:  # (the tower runs on one device; its features join the mesh replicated)
+            self._vision = jax.jit(functools.partial(vision_model.image_features, vcfg=vision[1]))
         self._denoise = jax.jit(functools.partial(_denoise_loop, cfg=cfg, rcfg=rcfg, backend=backend, mesh=mesh),
                                 donate_argnames="state", static_argnames=("first_finish", "top_k"), **denoise_kw)
 
@@ -162,6 +176,8 @@ class RenoiseRunner:
         keys = [CanvasKey("canvas", w, p, t) for p, t in variants for w in self.widths]
         keys += [EncodeKey("encode", 1, c, w) for c in self.chunks for w in self.widths if 2 * w * self.page_size >= c]
         keys += [EncodeKey("encode", r, canvas_chunk, w) for r in self.rows[1:] for w in self.widths]
+        if self.vision is not None:  # the tower for one image (more at once, and encodes with images: on first use)
+            keys.append(VisionKey("vision", 1))
         return keys
 
     def num_buckets(self, **variants) -> int:
@@ -188,6 +204,10 @@ class RenoiseRunner:
 
     def _lower(self, key):
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
+        if key.kind == "vision":
+            vcfg = self.vision[1]
+            pixels = jax.ShapeDtypeStruct((key.images, self.vision_patches, 3 * vcfg.patch_size ** 2), np.float32)
+            return self._vision.lower(self.vision[0], pixels, i32(key.images, self.vision_patches, 2))
         if key.kind == "encode":
             tables = {k: i32(key.rows, key.width) for k in self.num_pages}
             return self._encode.lower(self.params, tokens=i32(key.rows, key.chunk), prefix_len=i32(key.rows),
@@ -290,11 +310,37 @@ class RenoiseRunner:
         starts = np.zeros(rows, np.int32)
         for i, (toks, start) in enumerate(zip(call.tokens, call.starts)):
             tokens[i, :len(toks)], counts[i], starts[i] = toks, len(toks), start
-        tables = {f"table_{k}": _pad(v, rows, key.width) for k, v in call.tables.items()}
-        self._execute(np.asarray([KIND_ENCODE, rows, key.width, chunk], np.int32),
-                      {"tokens": tokens, "prefix_len": starts, "num_tokens": counts, **tables})
-        self.compiler.ran(key)
+        tables = {k: _pad(v, rows, key.width) for k, v in call.tables.items()}
+        if call.images and any(call.images):
+            # (an encode with images compiles its own executables, per image-count bucket; a text encode passes no
+            # images argument at all: the executables warm-up lowered. Never sent to followers: a multi-process
+            # engine loads no vision tower, dllm_jax/engine/families.py)
+            images = self._image_inputs(call, rows, chunk)
+            self.pool = self._encode(self.params, tokens=tokens, prefix_len=starts, num_tokens=counts,
+                                     kv_pages=self.pool, page_tables=tables, images=images)
+            self.device_calls += 1
+        else:
+            self._execute(np.asarray([KIND_ENCODE, rows, key.width, chunk], np.int32),
+                          {"tokens": tokens, "prefix_len": starts, "num_tokens": counts,
+                           **{f"table_{k}": v for k, v in tables.items()}})
+            self.compiler.ran(key)
         self.calls["encode"] += 1
+
+    def _image_inputs(self, call: EncodeCall, rows: int, chunk: int):
+        """The tower's soft tokens for the call's images (one tower call) and where each goes: ``encode_chunk``'s
+        ``images`` argument."""
+        vparams, vcfg = self.vision
+        pixels, positions, slots = vision_model.tower_batch([e[0] for row in call.images for e in row or ()])
+        features = self._vision(vparams, jnp.asarray(pixels), jnp.asarray(positions))  # [N, L, H]
+        self.compiler.ran(VisionKey("vision", len(pixels)))
+        index, group = vision_model.placement(rows, chunk, features.shape[1], call.images, slots,
+                                              vcfg.bidirectional)
+        out = features.reshape(-1, features.shape[-1]), jnp.asarray(index), jnp.asarray(group)
+        if self.mesh is not None:  # the tower ran on one device: its results join the mesh, replicated
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            out = jax.device_put(out, NamedSharding(self.mesh, PartitionSpec()))
+        return out
 
     def denoise(self, call: DenoiseCall) -> DenoiseResult:
         return self._collect_denoise(self._dispatch_denoise(call))

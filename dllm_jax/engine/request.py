@@ -31,6 +31,12 @@ class Request:
     # A streamed request: each committed block goes out as it is done (the scheduler never chains its blocks).
     stream: bool = False
     arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
+    # Images in the prompt (DiffusionGemma; dllm_jax/engine/images.py): the prepared images, their spans of image
+    # tokens in prompt_ids (first position, count, image), and the prompt's prefix-cache keys (image tokens keyed
+    # by their image's digest). Empty / None: a text prompt, keyed by its ids.
+    images: tuple = ()
+    image_spans: tuple = ()
+    prompt_keys: list | None = None
 
     phase: Phase = Phase.WAITING
     output_ids: list[int] = dataclasses.field(default_factory=list)
@@ -74,6 +80,11 @@ class Request:
     def real_ids(self) -> list[int]:
         """Prompt plus committed outputs: the tokens whose KV may be cached."""
         return self.prompt_ids + self.output_ids
+
+    @property
+    def cache_keys(self) -> list:
+        """The prefix cache's keys of :attr:`real_ids` (the ids themselves, but for image tokens)."""
+        return self.real_ids if self.prompt_keys is None else self.prompt_keys + self.output_ids
 
     @property
     def real_len(self) -> int:

@@ -208,16 +208,26 @@ def _table(page_tables, g: LayerGeometry):
 # ----------------------------------------------------------------------------------------------
 
 def encode_chunk(params: Params, cfg: ModelConfig, tokens, prefix_len, num_tokens, kv_pages, page_tables, *,
-                 return_hidden: bool = False):
+                 return_hidden: bool = False, images=None):
     """Encode a chunk per row and write its K/V: tokens ``[R, T]`` at positions ``prefix_len[r] + t``, the first
     ``num_tokens[r]`` of them real (the others write to the trash page). Returns the new pool (and the final hidden
-    states ``[R, T, H]`` with ``return_hidden``)."""
+    states ``[R, T, H]`` with ``return_hidden``).
+
+    ``images`` (prompts with images): ``(features [F, H], index [R, T], group [R, T])``: a position whose index is
+    ``>= 0`` takes that row of the image features (:func:`dllm_jax.model.vision.image_features`, projected) as its
+    embedding; positions of one group ``>= 0`` (the tokens of one image, whole in the chunk, when the config asks
+    for bidirectional attention over vision tokens) also see each other both ways, on every layer."""
     num_rows, chunk = tokens.shape
     t = jnp.arange(chunk, dtype=jnp.int32)
     positions = prefix_len[:, None].astype(jnp.int32) + t[None, :]
     real = t[None, :] < num_tokens[:, None]
     x = _embed(params["embed"], tokens, cfg)
     causal = t[None, :, None] >= t[None, None, :]  # [1, T, T] query t sees chunk key t' <= t
+    together = None
+    if images is not None:
+        features, index, group = images
+        x = jnp.where((index >= 0)[..., None], features.astype(x.dtype)[jnp.maximum(index, 0)], x)
+        together = (group[:, :, None] == group[:, None, :]) & (group[:, :, None] >= 0)  # [R, T, T]
     window = cfg.sliding_window or 0
     new_pages = []
     for i, (layer, pool) in enumerate(zip(params["layers"], kv_pages)):
@@ -235,6 +245,8 @@ def encode_chunk(params: Params, cfg: ModelConfig, tokens, prefix_len, num_token
         if g.sliding:
             prefix_visible &= positions[:, :, None] - key_pos < window
             own_visible &= (t[None, :, None] - t[None, None, :]) < window
+        if together is not None:  # (causal, windowed) OR the same image: transformers' blockwise overlay
+            own_visible |= together
         attn = _attend(q, jnp.concatenate([pk, k], 1), jnp.concatenate([pv, v], 1),
                        jnp.concatenate([prefix_visible, own_visible], -1))
         x = x + rms_norm(linear(attn, layer["o"]), layer["post_attn_norm"], cfg.rms_norm_eps)

@@ -346,14 +346,15 @@ def load_safetensors_params(model_dir: str, cfg: ModelConfig, dtype, *, progress
 
 
 def _log_skipped_vision(files, cfg: ModelConfig) -> None:
-    """One line for the vision tower a multimodal checkpoint carries (text-only serving: never read)."""
+    """One line for the vision tower a multimodal checkpoint carries (not in the text model's pytree; the engine
+    loads it apart, :mod:`dllm_jax.model.vision_params`)."""
     from dllm_jax.model.gemma_params import LAYOUT, VISION_PREFIXES
 
     if cfg.family != LAYOUT:
         return
     vision = [info.nbytes for st in files for name, info in st.tensors.items() if name.startswith(VISION_PREFIXES)]
     if vision:
-        log.info("skipping the vision tower: %d tensors, %.1f MB not loaded (text-only serving)", len(vision),
+        log.info("the vision tower: %d tensors, %.1f MB, not in the text model's weights", len(vision),
                  sum(vision) / 1e6)
 
 

@@ -203,20 +203,25 @@ message.content.startswith('<tool_response>')) %}
 """
 
 
-def write_gemma_tokenizer(out_dir: str, *, bpe_vocab: int = 400) -> dict[str, int]:
+GEMMA_IMAGE_TOKENS = (("<|image|>", True), ("<|image>", True), ("<image|>", True))  # image, begin, end (Gemma 4)
+
+
+def write_gemma_tokenizer(out_dir: str, *, bpe_vocab: int = 400, images: bool = False) -> dict[str, int]:
     """A Gemma-style fast tokenizer (``<bos>``, ``<eos>``, turn markers; Gemma's chat template): for tiny
-    DiffusionGemma fixtures, whose ``vocab_size`` must then be ``bpe_vocab + len(GEMMA_ADDED_TOKENS)``."""
+    DiffusionGemma fixtures, whose ``vocab_size`` must then be ``bpe_vocab + len(GEMMA_ADDED_TOKENS)``. With
+    ``images``, Gemma 4's image tokens last (three more ids: the tiny checkpoints' ``image_token_ids``)."""
     from tokenizers import AddedToken
 
     from dllm_jax.model.templates import GEMMA_CHAT_TEMPLATE
 
     tok = train_bpe(bpe_vocab)
     base = tok.get_vocab_size()
-    tok.add_tokens([AddedToken(c, special=s, normalized=False) for c, s in GEMMA_ADDED_TOKENS])
+    added = GEMMA_ADDED_TOKENS + (GEMMA_IMAGE_TOKENS if images else ())
+    tok.add_tokens([AddedToken(c, special=s, normalized=False) for c, s in added])
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
            "pad_token": "<pad>", "clean_up_tokenization_spaces": False, "model_max_length": 131072,
            "chat_template": GEMMA_CHAT_TEMPLATE}
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
-    return {content: base + i for i, (content, _) in enumerate(GEMMA_ADDED_TOKENS)}
+    return {content: base + i for i, (content, _) in enumerate(added)}

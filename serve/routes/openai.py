@@ -126,6 +126,11 @@ def _scored_only(server: Server, ids_list: list[list[int]], fields: list[str], e
             "model": server.model_name, "choices": choices, "usage": usage(metas, n)}
 
 
+def _image_token(engine) -> str:
+    """The text of the model's image token (what the chat template sees for an ``image_url`` part)."""
+    return engine.tokenizer.convert_ids_to_tokens(engine.images.vcfg.image_token_id)
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, server: Server = Depends(get_server)):
     _check_common(body, server)
@@ -137,7 +142,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, server
     renames["input_ids"] = "messages"
     max_new = body.max_completion_tokens or body.max_tokens
     params = features.gate(body.sampling_dict(max_new), renames, prefix="")
-    messages = body.chat_messages()
+    urls = body.image_urls()  # image_url parts: each decoded alone (an error names its part), in a worker thread
+    images = [img for one in await server.prepare_images([u for _, u in urls], [f for f, _ in urls]) for img in one]
+    messages = body.chat_messages(_image_token(eng) if urls else None)
     server.check_chars(sum(len(m["content"]) for m in messages), "messages")
     try:
         text = await run_in_threadpool(eng.apply_chat_template, messages)
@@ -151,7 +158,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, server
     ids_list, params_list, fields = expand_choices([ids], [params], ["messages"], n)
     batch = server.start_batch(ids_list, params_list, fields, stream=body.stream, renames=renames,
                                rids=_rids(body, len(ids_list)),
-                               provisional=body.stream_provisional, batch_field="n" if n > 1 else None)
+                               provisional=body.stream_provisional, batch_field="n" if n > 1 else None,
+                               images=[images or None] * len(ids_list), image_fields=["messages"] * len(ids_list))
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
         return SSEResponse(chat_stream(server, batch, body, cid), lambda gone: batch.close(gone))

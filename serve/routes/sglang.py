@@ -65,6 +65,8 @@ async def generate(body: GenerateRequest, request: Request, server: Server = Dep
     else:
         ids_list = body.input_ids if body.is_batch else [body.input_ids]
         fields = [f"input_ids[{i}]" for i in range(len(ids_list))] if body.is_batch else ["input_ids"]
+    images, image_fields = _images(body, prompts)
+    images = await server.prepare_images(images, image_fields)
     start = body.prompt_logprobs_from
     scored = await _prompt_logprobs(server, ids_list, fields, start, body.top_logprobs_num or 0) \
         if start is not None else None
@@ -72,7 +74,9 @@ async def generate(body: GenerateRequest, request: Request, server: Server = Dep
     batch = server.start_batch(ids_list, params_list, fields, stream=body.stream, rids=rids,
                                provisional=body.stream_provisional,
                                batch_field="sampling_params.n" if n > 1 else None,
-                               params_fields=[p for p in prefixes for _ in range(n)])
+                               params_fields=[p for p in prefixes for _ in range(n)],
+                               images=[i for i in images for _ in range(n)],
+                               image_fields=[f for f in image_fields for _ in range(n)])
     text_in_logprobs = bool(body.return_text_in_logprobs)
     if body.stream:
         return SSEResponse(_stream(server, batch, batch_mode, body.stream_provisional, text_in_logprobs),
@@ -86,6 +90,20 @@ async def generate(body: GenerateRequest, request: Request, server: Server = Dep
         tok = server.engine.tokenizer
         results = [{**r, "meta_info": logprobs.with_text(r["meta_info"], tok)} for r in results]
     return results if batch_mode else results[0]
+
+
+def _images(body: GenerateRequest, prompts: int) -> tuple[list, list[str]]:
+    """``image_data`` per prompt (SGLang's shape: a single prompt's images, or a list with an entry per prompt of a
+    batch) and the field naming each."""
+    data = body.image_data
+    if not body.is_batch:
+        return [data], ["image_data"]
+    if data is None:
+        return [None] * prompts, ["image_data"] * prompts
+    if not isinstance(data, list) or len(data) != prompts:
+        raise ApiError(400, f"image_data: for a batch of {prompts} prompts, a list with one entry per prompt "
+                            f"(null: no image)", "image_data")
+    return list(data), [f"image_data[{i}]" for i in range(prompts)]
 
 
 def _router_fields(body: GenerateRequest, server: Server) -> None:

@@ -184,13 +184,38 @@ class ContentPart(_Strict):
     text: str
 
 
-def _content_part(part: Any, i: int) -> str:
-    if isinstance(part, dict) and isinstance(part.get("type"), str) and part["type"] != "text":
-        what = "images are not served (a checkpoint's vision tower, e.g. DiffusionGemma's, is not loaded)" \
-            if "image" in part["type"] else "this server's models read text only"
-        raise ValueError(f"content[{i}].type: {part['type']!r} parts are not supported ({what}: use "
-                         f"{{\"type\": \"text\", \"text\": ...}} parts or a string)")
+class ImageURL(_Strict):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; an image is read at the processor's budget
+
+    @field_validator("url")
+    @classmethod
+    def _data_url(cls, v):
+        if v[:8].lower().startswith(("http://", "https://")):
+            raise ValueError("http(s) URLs are not fetched (the server fetches nothing); send the image as a data "
+                             "URL (data:image/png;base64,...)")
+        if not v[:11].lower().startswith("data:image/"):
+            raise ValueError("must be a data URL (data:image/<type>;base64,<data>)")
+        return v
+
+
+class ImagePart(_Strict):
+    """An ``image_url`` part: a data URL (``data:image/png;base64,...``); http(s) URLs are refused, the server
+    fetches nothing. The chat template sees the model's image token in its place."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+def _content_part(part: Any, i: int):
+    kind = part.get("type") if isinstance(part, dict) else None
+    if isinstance(kind, str) and kind not in ("text", "image_url"):
+        raise ValueError(f"content[{i}].type: {kind!r} parts are not supported (text and image_url parts are: "
+                         f"{{\"type\": \"text\", \"text\": ...}}, {{\"type\": \"image_url\", \"image_url\": "
+                         f"{{\"url\": \"data:image/...\"}}}})")
     try:
+        if kind == "image_url":
+            return ImagePart.model_validate(part)
         return ContentPart.model_validate(part).text
     except ValidationError as e:
         raise ValueError(first_error(e, f"content[{i}]").lstrip(".")) from None
@@ -207,7 +232,9 @@ class ChatMessage(_Strict):
         if isinstance(v, str):
             return v
         if isinstance(v, list):
-            return "".join(_content_part(part, i) for i, part in enumerate(v))
+            parts = [_content_part(part, i) for i, part in enumerate(v)]
+            # text only: one string; with images: the parts (rendered by ChatCompletionRequest.chat_messages)
+            return parts if any(isinstance(p, ImagePart) for p in parts) else "".join(parts)
         raise ValueError("content: must be a string or a list of text parts")
 
 
@@ -262,5 +289,18 @@ class ChatCompletionRequest(ChatRouterFields, OpenAICommon):
             return (None, None) if self.logprobs is None else (False, None)
         return True, self.top_logprobs or 0
 
-    def chat_messages(self) -> list[dict]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in self.messages]
+    def chat_messages(self, image_token: str | None = None) -> list[dict]:
+        """The messages for the chat template, each ``image_url`` part as ``image_token`` (the model's image token's
+        text) in its place."""
+        out = []
+        for m in self.messages:
+            content = m.content
+            if isinstance(content, list):
+                content = "".join(p if isinstance(p, str) else image_token for p in content)
+            out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        return out
+
+    def image_urls(self) -> list[tuple[str, str]]:
+        """``(field, data URL)`` of every ``image_url`` part, in order."""
+        return [(f"messages[{k}].content[{i}].image_url", p.image_url.url) for k, m in enumerate(self.messages)
+                if isinstance(m.content, list) for i, p in enumerate(m.content) if isinstance(p, ImagePart)]

@@ -60,7 +60,7 @@ NEUTRAL: dict[str, dict[str, tuple]] = {
     "generate": {"return_hidden_states": _FALSE, "return_routed_experts": _FALSE, "routed_experts_start_len": _ZERO,
                  "return_prompt_token_ids": _FALSE, "require_reasoning": _FALSE, "return_bytes": _FALSE,
                  "return_entropy": _FALSE, "background": _FALSE, "return_sampling_mask": _NULL,
-                 "input_embeds": _NULL, "image_data": _NULL, "video_data": _NULL, "audio_data": _NULL,
+                 "input_embeds": _NULL, "video_data": _NULL, "audio_data": _NULL,
                  "lora_path": _NULL, "lora_id": _NULL, "custom_logit_processor": _NULL, "token_ids_logprob": _NULL,
                  "session_params": _NULL},
     "chat": {**_UNSUPPORTED_GENERATION, "continue_final_message": _FALSE, "return_meta_info": _FALSE,
@@ -73,7 +73,7 @@ WHAT = {"no_stop_trim": "the matched stop string is always trimmed", "lora_path"
         "lora_id": "LoRA adapters are not served", "min_p": "min-p sampling is not implemented",
         "json_schema": "constrained decoding is not implemented", "regex": "constrained decoding is not implemented",
         "ebnf": "constrained decoding is not implemented", "continue_final_message": "the chat template always "
-        "starts a new assistant turn", "image_data": "this server's models read text only", "video_data":
+        "starts a new assistant turn", "video_data":
         "this server's models read text only", "audio_data": "this server's models read text only"}
 
 

@@ -91,6 +91,9 @@ class GenerateRequest(GenerateRouterFields, Body):
     top_logprobs_num: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     logprob_start_len: int | None = None
     return_text_in_logprobs: bool | None = None
+    # the prompt's images (a model with a vision tower): per prompt one image or a list (a batch: a list with an
+    # entry per prompt); each a data URL or base64 (dllm_jax/engine/images.py); checked by the engine
+    image_data: Any = None
 
     @field_validator("text")
     @classmethod
