@@ -166,7 +166,7 @@ def test_sampled_regime_differences_are_float64_near_ties(model_dir):
     S, rows = 16, 2
     pool = gemma.init_kv_pages(cfg, {"full": 8, "sliding": 8}, S)
     tables = {k: np.asarray([[1, 2, 3], [4, 5, 6]], np.int32) for k in ("full", "sliding")}
-    tokens = np.asarray([PROMPTS[0] + [0] * 5, PROMPTS[1][:16]], np.int32)
+    tokens = np.asarray([PROMPTS[0][:11] + [0] * 5, PROMPTS[1][:16]], np.int32)  # prefixes of 11 and 16 tokens
     prefix = np.asarray([11, 16], np.int32)
     pool = gemma.encode_chunk_jit(params, cfg, tokens, np.zeros(rows, np.int32), prefix, pool, tables)
     pool_tp = jax.tree.map(jax.device_put, pool, layer_pool_shardings(pool, mesh))
