@@ -135,10 +135,11 @@ class RenoiseRunner:
         keys += [EncodeKey("encode", r, canvas_chunk, w) for r in self.rows[1:] for w in self.widths]
         return keys
 
-    def num_buckets(self, **variants) -> int:
+    def num_buckets(self, background: bool = False, **variants) -> int:
         return len(self.buckets(**variants))
 
-    def warmup(self, *, on_bucket=None, **variants) -> int:
+    def warmup(self, *, on_bucket=None, background: bool = False, **variants) -> int:
+        """Compile every bucket now (``background`` is accepted and ignored: no staged warm-up for canvases)."""
         return self.compiler.warmup(self.buckets(**variants), on_key=on_bucket)
 
     def _lower(self, key):
