@@ -59,7 +59,6 @@ class BareForward:
         import jax
 
         from bench.common import bare_forward, scratch_pool
-        from dllm_jax.model import small_dots
 
         runner = engine.runner
         self.runner = runner
@@ -76,11 +75,7 @@ class BareForward:
             """``loops`` forwards back to back, then ``kv_loops`` commit forwards (K/V only, as the engine's step
             runs them); traced counts: one executable per bucket serves every count.
 
-            Every forward of the loops is a whole one (the optimization barrier: see the module docstring). A
-            denoise bucket of a small model transposes its matrices first, as the engine's step does
-            (dllm_jax/model/small_dots.py)."""
-            if select and runner.greedy_spec.in_out_matrices:
-                params = small_dots.transposed(params)
+            Every forward of the loops is a whole one (the optimization barrier: see the module docstring)."""
             kv, out = once(params, kv, tokens, table, prefix, write, select)
 
             def body(_, carry):  # each forward reads the K/V the previous one wrote, and its inputs anew

@@ -40,7 +40,6 @@ from dllm_jax.decode.rows import is_sampled
 from dllm_jax.decode.packing import RowLayout
 from dllm_jax.decode.penalties import apply_penalties
 from dllm_jax.model.family import ModelFamily, family_of
-from dllm_jax.model import small_dots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +73,6 @@ class StepSpec:
     # tables (0: no chaining). With ``loop`` the call then ends when every row is done and none goes on (the
     # scheduler chains a synchronous call only when it holds one request).
     chain: int = 0
-    # A small float32 model on XLA:CPU: its layer matrices transposed once per call, before the device loop
-    # (dllm_jax/model/small_dots.py: its dots run a third faster over [in, out] matrices).
-    in_out_matrices: bool = False
 
     def __post_init__(self):
         if self.chain and not (self.first_done or self.loop):
@@ -334,8 +330,6 @@ def denoise(params, kv_pages, batch: DenoiseBatch, state: State, *, spec: StepSp
     With ``spec.logprobs`` the result's record holds, per position, the figures of the step that last wrote it
     during this call (the synchronous loop carries them, so each committed position keeps the forward in which it
     was written)."""
-    if spec.in_out_matrices:
-        params = small_dots.transposed(params)
     if not (spec.loop or spec.first_done):
         kv_pages, tokens, done, fresh, state, record, settled = _one_step(
             params, kv_pages, batch, batch.tokens, state, batch.steps_taken, spec)

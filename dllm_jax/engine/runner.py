@@ -25,7 +25,6 @@ from dllm_jax.engine.calls import (ROW_ATTRIBUTES, DecodeOutput, DecodeRow, Deno
 from dllm_jax.decode.step import (CHAIN_STOP_IDS, PENALTY_PREFIX, STATE_PREFIX, StepSpec, denoise_packed,
                                    init_kv_pages, prefill)
 from dllm_jax.cache.pages import TRASH_PAGE
-from dllm_jax.model import small_dots
 from dllm_jax.engine.compilation import (VARIANT_LOGPROBS, VARIANT_PENALTIES, VARIANT_TOP, Compiler, DenoiseKey,
                                          PrefillKey, ShapeBuckets, bucket_keys, fit_key, pick_bucket, prefill_fit,
                                          staged_keys, variants_for)
@@ -99,8 +98,7 @@ class ModelRunner:
         device_cfg = cfg.replace(eos_token_ids=(), max_position_embeddings=0)
         base = StepSpec(model=device_cfg, block_size=block_size, mask_id=mask_id, algorithm=algorithm,
                         attention_backend=attention_backend, confidence_backend=confidence_backend, loop=loop,
-                        first_done=not loop, mesh=mesh, fold_commit=fold_commit,
-                        in_out_matrices=small_dots.wanted(params, backend=jax.default_backend(), mesh=mesh))
+                        first_done=not loop, mesh=mesh, fold_commit=fold_commit)
         self.greedy_spec = base
         self.sampling_spec = dataclasses.replace(base, sampling=True)
         self._variants: dict[tuple[bool, int, bool], StepSpec] = {}

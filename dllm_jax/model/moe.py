@@ -29,7 +29,6 @@ import jax.numpy as jnp
 
 from dllm_jax.config import ModelConfig
 from dllm_jax.model.fused_layout import fused_axis_groups
-from dllm_jax.model.small_dots import InOut
 
 
 def contract(x, w):
@@ -42,10 +41,9 @@ def contract(x, w):
     out ``[in, out]`` and copies every matrix so at each call (all the weights again, and slower), which a 2D dot
     does not make it do."""
     lead = x.shape[:-1]
-    w, axis = (w.t, 0) if isinstance(w, InOut) else (w, 1)  # a small model's [in, out] copy (model/small_dots.py)
-    out = jax.lax.dot_general(x.reshape(-1, x.shape[-1]), w, (((1,), (axis,)), ((), ())),
+    out = jax.lax.dot_general(x.reshape(-1, x.shape[-1]), w, (((1,), (1,)), ((), ())),
                               preferred_element_type=jnp.float32)
-    return out.reshape(*lead, out.shape[-1])
+    return out.reshape(*lead, w.shape[0])
 
 
 def linear(x, w):
