@@ -43,8 +43,8 @@ def _keys(buckets: ShapeBuckets, width: int):
 def test_staged_keys_fit_and_order():
     buckets = ShapeBuckets.build(max_rows=4, max_pages_per_row=8, max_prefill_blocks=8, fold_commit=False)
     keys = _keys(buckets, 8)
-    first, rest = staged_keys(keys, denoise_rows=1, block_size=32)
-    # one request's denoise step at the widest table, and a short prompt's prefill (256 tokens: 8 blocks of 32)
+    first, rest = staged_keys(keys, denoise_rows=1, block_size=8)
+    # one request's denoise step at the widest table, and a short prompt's prefill (64 tokens: 8 blocks of 8)
     assert first == [DenoiseKey("denoise", 1, 8, False, 0), PrefillKey("prefill", 1, 8, 8)]
     assert sorted(first + rest) == sorted(keys) and len(set(rest)) == len(rest)
     assert [k.rows for k in rest] == sorted(k.rows for k in rest)  # fewer rows first
@@ -81,7 +81,8 @@ def test_close_drops_the_queue():
     threading.Timer(0.2, lower.gate.set).start()
     compiler.close()  # waits for the one compiling, drops the rest
     assert len(lower.order) == 2 and compiler.pending_keys() == 0
-    assert not any(compiler.compiles_in_background(k) for k in later[1:])  # not waited for: compiled in line
+    assert all(compiler.compiles_in_background(k) for k in later[1:])  # never compiled in line
+    assert fit_key(compiler, later[1], lambda: []) is None and compiler.pending_keys() == 0
 
 
 @pytest.mark.slow  # ~4 compiles of a tiny engine (2 shared with the suite's ENGINE_KW engines)

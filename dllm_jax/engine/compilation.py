@@ -22,6 +22,11 @@ A call's **key** is a named tuple of its bucket: :class:`DenoiseKey` ``(kind, ro
 :class:`PrefillKey` ``(kind, rows, blocks, width)`` (DiffusionGemma's runner has its own, with a ``kind`` too). :meth:`Compiler.warmup` compiles a list of keys ahead of time; afterwards nothing it covered
 compiles again (a test counts :func:`compiled_executables`). A key whose step variant warm-up did not cover compiles
 on one background thread (:meth:`Compiler.compile_soon`) while the scheduler runs the calls that do not need it.
+
+A staged warm-up (``Engine.warmup(background=True)``, ``dllm-jax serve``'s) compiles only the keys a short chat needs
+(:func:`staged_keys`) and leaves the rest to that thread, fewer rows and narrower tables first; until a key is
+compiled its calls run in a larger compiled bucket (:func:`fit_key`, :func:`prefill_fit`) or wait for it, and a key
+a call waits for is compiled before the others.
 """
 
 from __future__ import annotations
@@ -167,7 +172,11 @@ def bucket_keys(buckets: ShapeBuckets, prefill_width: int, *, sampling: bool = F
     return out
 
 
-SHORT_PROMPT_TOKENS = 256  # a staged warm-up compiles first a prefill bucket of at least this many tokens a row
+# A staged warm-up compiles first a prefill bucket of at least this many tokens a row (a chat template and a
+# question; a longer prompt prefills in several calls of it until its own bucket is compiled). Every call of the
+# bucket costs its padded tokens' FLOPs: at 256 tokens (64 blocks of 4) an SDAR-1.7B-shaped model's first 13-token
+# prompt took 30 s of a loaded 2-core CPU.
+SHORT_PROMPT_TOKENS = 64
 
 
 def staged_keys(keys: list[tuple], *, denoise_rows: int, block_size: int) -> tuple[list[tuple], list[tuple]]:
@@ -359,7 +368,7 @@ class Compiler:
         compiled, :meth:`compiles_in_background` reads True for it (its calls wait, or run in a larger compiled
         bucket)."""
         with self._cv:
-            for key in keys:
+            for key in keys if not self._closed else ():
                 if key not in self.compiled and key not in self._deferred and key not in self._failed:
                     self._deferred.add(key)
                     self._queue.append(key)
@@ -369,7 +378,7 @@ class Compiler:
         """Compile ``key``'s executable on the background thread next (once; a no-op if compiled or under way):
         a call waits for it, so it goes before the keys a staged warm-up left for later."""
         with self._cv:
-            if key in self.compiled or key in self._failed or key == self._current:
+            if self._closed or key in self.compiled or key in self._failed or key == self._current:
                 return
             if key in self._queue:
                 self._queue.remove(key)
@@ -418,11 +427,11 @@ class Compiler:
                 self._cv.wait(timeout)
 
     def close(self) -> None:
-        """Drop the keys not yet compiling and wait for the one compiling (an engine shutting down: a compile left
-        running aborts the interpreter at its exit)."""
+        """Compile nothing more in the background: drop the queue and wait for the key compiling (an engine shutting
+        down: a compile left running aborts the interpreter at its exit). Keys left uncompiled stay waited for:
+        calls keep running in the buckets compiled."""
         with self._cv:
             self._closed = True
-            self._deferred.difference_update(self._queue)
             self._queue.clear()
             self._cv.notify_all()
             thread = self._thread
