@@ -180,12 +180,13 @@ class RenoiseRunner:
             keys.append(VisionKey("vision", 1))
         return keys
 
-    def num_buckets(self, **variants) -> int:
+    def num_buckets(self, background: bool = False, **variants) -> int:
         return len(self.buckets(**variants))
 
-    def warmup(self, *, on_bucket=None, **variants) -> int:
-        """Compile every bucket; with followers, run each bucket's padding call instead (every process compiles
-        it now, in step, not inside a later collective)."""
+    def warmup(self, *, on_bucket=None, background: bool = False, **variants) -> int:
+        """Compile every bucket now (``background`` is accepted and ignored: no staged warm-up for canvases); with
+        followers, run each bucket's padding call instead (every process compiles it now, in step, not inside a
+        later collective)."""
         run = self._run_padding if self.channel is not None else None
         return self.compiler.warmup(self.buckets(**variants), run=run, on_key=on_bucket)
 
