@@ -44,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM / SIGINT, new requests get 503 at once and running ones may finish for this long; "
                         "then every open stream ends with an error event and every waiting request with a 503 "
                         "(default 30; 0: at once; a second signal: at once)")
+    g.add_argument("--warmup-all", action="store_true",
+                   help="compile every shape bucket before /health reports ok (default: the buckets a short chat "
+                        "needs, then ready, the rest on a background thread; a request whose bucket is not compiled "
+                        "yet runs in a larger compiled one or waits for its own)")
     g.add_argument("--warmup-variants", default=None, metavar="LIST",
                    help="also compile these step variants while starting, so that no first such request waits on "
                         "a compile: a comma list of sampling, logprobs, penalties, grammar, or all (default: none)")

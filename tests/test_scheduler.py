@@ -66,7 +66,10 @@ class FakeRunner:
     def max_prefill_rows(self, chunk: int) -> int:
         return 2
 
-    def denoise_key(self, rows, pages, *, sampling, penalties, logprobs, top, grammar=False):
+    def prefill_fit(self, chunk: int, rows: int):
+        return chunk, rows
+
+    def denoise_key(self, rows, pages, *, sampling, penalties, logprobs, top, grammar=False, ask=True):
         return ("denoise", sampling, penalties, logprobs, top, grammar)
 
     def pool_lost(self) -> bool:

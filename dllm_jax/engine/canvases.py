@@ -210,7 +210,7 @@ class Canvases:
         tokens = [r.real_ids[self._kv_len[r]:self._chunk_end(r)] for r in ready]
         tables = self._tables(ready, by_slot=False)
         compiler = self.runner.compiler
-        if compiler.warmed and len(ready) > 1:
+        if compiler.warmed and compiler.background and len(ready) > 1:  # (followers: compiled in line, in step)
             key = self.runner.encode_key(len(ready), max(map(len, tokens)), tables[FULL_KIND].shape[1])
             if key not in compiler.compiled:  # a shape warm-up did not cover: compiled aside, one row meanwhile
                 compiler.compile_soon(key)

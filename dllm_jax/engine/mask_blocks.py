@@ -159,7 +159,10 @@ class MaskBlocks(MaskCommit):
         remaining = {id(r): r.real_len // B - len(r.pages) for r in reqs}
         reqs = sorted(reqs, key=lambda r: -remaining[id(r)])  # similar chunk lengths share a call
         chunk = self.runner.prefill_chunk(min(remaining[id(reqs[0])], budget))
-        max_rows = self.runner.max_prefill_rows(chunk)
+        fit = self.runner.prefill_fit(chunk, min(len(reqs), self.runner.max_prefill_rows(chunk)))
+        if fit is None:
+            return None  # its bucket compiles (a staged warm-up): the requests wait for it
+        chunk, max_rows = fit
         allocated: list[tuple[Request, list[int]]] = []
         for req in reqs[:max_rows]:
             if req.phase is not Phase.PREFILL:
@@ -260,12 +263,12 @@ class MaskBlocks(MaskCommit):
         key = self._call_key(reqs, refresh)
         if not compiler.compiles_in_background(key):
             return reqs
-        compiler.compile_soon(key)
         best: list[Request] = []
         for need in {self._need(r) for r in reqs}:
             group = [r for r in reqs if all(a or not b for a, b in zip(need, self._need(r)))]  # needs within
-            if len(group) > len(best) and not compiler.compiles_in_background(
-                    self._call_key(group, refresh)):
+            while group and compiler.compiles_in_background(self._call_key(group, refresh, ask=False)):
+                group = group[:len(group) // 2]  # fewer rows, in a smaller row bucket (a staged warm-up's)
+            if len(group) > len(best):
                 best = group
         return best
 
@@ -276,14 +279,16 @@ class MaskBlocks(MaskCommit):
         p = req.params
         return (not p.greedy, p.penalized, p.logprobs >= 0, p.logprobs > 0, req.grammar is not None)
 
-    def _call_key(self, reqs: list[Request], refresh: list[Request], chain_pages: dict | None = None) -> tuple:
-        """The runner's key for a denoise call over these rows (see ``ModelRunner.denoise_key``)."""
+    def _call_key(self, reqs: list[Request], refresh: list[Request], chain_pages: dict | None = None,
+                  ask: bool = True) -> tuple:
+        """The runner's key for a denoise call over these rows (see ``ModelRunner.denoise_key``; ``ask``: a key
+        not compiled yet is asked for)."""
         needs = [self._need(r) for r in reqs]
         pages = max([len(r.pages) - 1 for r in refresh]
                     + [len(r.pages) + len((chain_pages or {}).get(id(r), ())) for r in reqs], default=1)
         return self.runner.denoise_key(len(reqs) + len(refresh), pages, sampling=any(n[0] for n in needs),
                                        penalties=any(n[1] for n in needs), logprobs=any(n[2] for n in needs),
-                                       top=any(n[3] for n in needs), grammar=any(n[4] for n in needs))
+                                       top=any(n[3] for n in needs), grammar=any(n[4] for n in needs), ask=ask)
 
     def _loop_cap(self, reqs: list[Request], refresh: list[Request]) -> int:
         """FDFO: how many steps the call may run on the device before the batch comes back (it stops anyway when

@@ -26,8 +26,9 @@ from dllm_jax.decode.rows import GRAMMAR_PREFIX
 from dllm_jax.decode.step import (CHAIN_STOP_IDS, PENALTY_PREFIX, STATE_PREFIX, StepSpec, denoise_packed,
                                    init_kv_pages, prefill)
 from dllm_jax.cache.pages import TRASH_PAGE
-from dllm_jax.engine.compilation import (VARIANT_GRAMMAR, VARIANT_LOGPROBS, VARIANT_PENALTIES, VARIANT_TOP, Compiler, DenoiseKey,
-                                         PrefillKey, ShapeBuckets, bucket_keys, pick_bucket, variants_for)
+from dllm_jax.engine.compilation import (VARIANT_GRAMMAR, VARIANT_LOGPROBS, VARIANT_PENALTIES, VARIANT_TOP, Compiler,
+                                         DenoiseKey, PrefillKey, ShapeBuckets, bucket_keys, fit_key, pick_bucket,
+                                         prefill_fit, staged_keys, variants_for)
 from dllm_jax.engine.sampling import MAX_TOP_LOGPROBS
 
 
@@ -293,6 +294,9 @@ class ModelRunner:
         B = self.block_size
         R, C = self.prefill_shape(len(rows), max(len(r.write_pages) for r in rows))
         W = self.prefill_width
+        key = self.fit(PrefillKey("prefill", R, C, W))
+        if key is not None:
+            R, C = key.rows, key.blocks
         tokens = np.zeros((R, C * B), np.int32)
         table = np.full((R, W), TRASH_PAGE, np.int32)
         prefix = np.zeros((R,), np.int32)
@@ -321,11 +325,18 @@ class ModelRunner:
         t_enter = time.perf_counter() if timeline is not None else 0.0
         B = self.block_size
         n = len(rows)
-        R = pick_bucket(n, self.row_buckets)
-        # The table holds the prefix and, for a chaining row, the pages of the blocks it may start.
-        W = pick_bucket(max(1, max(len(r.prefix_pages) + len(r.chain_pages) for r in rows)), self.width_buckets)
         penalties = any(r.penalty is not None for r in rows)
         grammar = any(r.grammar is not None for r in rows)
+        variant = (VARIANT_PENALTIES if penalties else 0) | (VARIANT_GRAMMAR if grammar else 0)
+        if any(r.logprobs >= 0 for r in rows):
+            variant |= VARIANT_LOGPROBS | (VARIANT_TOP if any(r.logprobs > 0 for r in rows) else 0)
+        sampled = any(row_schema.is_sampled(r.temperature, r.top_k) for r in rows)
+        # The table holds the prefix and, for a chaining row, the pages of the blocks it may start (bucket: fit).
+        pages = max(1, max(len(r.prefix_pages) + len(r.chain_pages) for r in rows))
+        key = DenoiseKey("denoise", pick_bucket(n, self.row_buckets), pick_bucket(pages, self.width_buckets),
+                         sampled, variant)
+        key = self.fit(key) or key
+        R, W = key.rows, key.width
         chain = R in self.chain_rows
         padding, staging, fields = self._staging(W, penalties, chain, R, grammar)
         np.copyto(staging, padding)
@@ -336,24 +347,18 @@ class ModelRunner:
                 self._fill_row(fields, state, i, r, chain, R)
             except Exception as e:  # a value the checks let through: that row's request fails, not the call's
                 raise RowError(i, e) from e
-        variant = 0
         if penalties:
-            variant |= VARIANT_PENALTIES
             fill_penalties(rows, {k[len(PENALTY_PREFIX):]: v for k, v in fields.items()
                                    if k.startswith(PENALTY_PREFIX)})
         if grammar:
-            variant |= VARIANT_GRAMMAR
             fill_grammar(rows, {k[len(GRAMMAR_PREFIX):]: v for k, v in fields.items() if k.startswith(GRAMMAR_PREFIX)})
-        if any(r.logprobs >= 0 for r in rows):
-            variant |= VARIANT_LOGPROBS | (VARIANT_TOP if any(r.logprobs > 0 for r in rows) else 0)
         packed = staging.copy()  # the call's own inputs (the staging rows are rewritten by the next call)
         result = self._execute(KIND_DENOISE | (variant << 2), {"rows": packed}, (R, W, B))
         if self.read_async:
             for leaf in jax.tree.leaves(result):
                 leaf.copy_to_host_async()
         t_dispatched = time.perf_counter() if timeline is not None else 0.0
-        sampled = bool(np.any(row_schema.is_sampled(fields["temperature"], fields["top_k"])))
-        self.compiler.ran(DenoiseKey("denoise", R, W, sampled, variant))
+        self.compiler.ran(key)
         return functools.partial(self._collect_denoise, result, rows, chain, R, W, sampled, t_enter, t_dispatched)
 
     def _collect_denoise(self, result, rows: list[DecodeRow], chain: bool, R: int, W: int, sampled: bool,
@@ -425,10 +430,20 @@ class ModelRunner:
     # Which executables exist, and compiling the missing ones off the scheduler's thread
     # -------------------------------------------------------------------------------------------
     def denoise_key(self, rows: int, pages: int, *, sampling: bool, penalties: bool, logprobs: bool,
-                    top: bool, grammar: bool = False) -> DenoiseKey:
-        """The key of a denoise call of ``rows`` rows whose longest page table holds ``pages``."""
-        return DenoiseKey("denoise", pick_bucket(rows, self.row_buckets), pick_bucket(max(1, pages), self.width_buckets),
-                          sampling, variants_for(penalties=penalties, logprobs=logprobs, top=top, grammar=grammar))
+                    top: bool, grammar: bool = False, ask: bool = True) -> DenoiseKey:
+        """The key of a denoise call of ``rows`` rows whose longest page table holds ``pages``: its smallest bucket,
+        or a larger compiled one while a staged warm-up compiles that (:meth:`fit`)."""
+        key = DenoiseKey("denoise", pick_bucket(rows, self.row_buckets), pick_bucket(max(1, pages), self.width_buckets),
+                         sampling, variants_for(penalties=penalties, logprobs=logprobs, top=top, grammar=grammar))
+        return self.fit(key, ask) or key
+
+    def fit(self, key: tuple, ask: bool = True) -> tuple | None:
+        """The key a call of ``key``'s shape runs under now: ``key``, or while a staged warm-up compiles it a larger
+        compiled bucket, or None: the call waits (:func:`compilation.fit_key`)."""
+        return fit_key(self.compiler, key, lambda: self.buckets_spec.larger(key, self.chain_rows), ask)
+
+    def prefill_fit(self, chunk: int, rows: int) -> tuple[int, int] | None:  # see compilation.prefill_fit
+        return prefill_fit(self.compiler, self.buckets_spec, chunk, rows, self.prefill_width)
 
     def _abstract(self, tree):
         """Shapes of device arrays, as the jitted call sees them (a sharding only where a mesh placed them: a
@@ -461,16 +476,24 @@ class ModelRunner:
         return bucket_keys(self.buckets_spec, self.prefill_width, sampling=sampling, logprobs=logprobs,
                            penalties=penalties, grammar=grammar)
 
-    def num_buckets(self, **variants) -> int:
-        return len(self.buckets(**variants))
+    def num_buckets(self, background: bool = False, **variants) -> int:  # how many keys warmup compiles now
+        return len(self._warmup_keys(background, **variants)[0])
+
+    def _warmup_keys(self, background: bool, **variants) -> tuple[list[tuple], list[tuple]]:
+        keys = self.buckets(**variants)
+        if not background or self.channel is not None:
+            return keys, []
+        return staged_keys(keys, denoise_rows=2 if self.greedy_spec.fold_commit else 1, block_size=self.block_size)
 
     def warmup(self, *, sampling: bool = False, logprobs: bool = False, penalties: bool = False,
-               grammar: bool = False, on_bucket=None) -> int:
-        """Compile every bucket now, with the step variants asked for (:meth:`Compiler.warmup`). Returns the count.
-        With followers (several processes) each bucket runs once instead, so that every process compiles it."""
-        count = self.compiler.warmup(self.buckets(sampling=sampling, logprobs=logprobs, penalties=penalties,
-                                                  grammar=grammar),
-                                     run=self._run_padding if self.channel is not None else None, on_key=on_bucket)
+               grammar: bool = False, on_bucket=None, background: bool = False) -> int:
+        """Compile every bucket now, with the step variants asked for (:meth:`Compiler.warmup`); ``background``: a
+        short chat's now, the rest on the background thread (:func:`compilation.staged_keys`). Returns the count
+        compiled now. With followers each bucket runs once instead, so that every process compiles it, all now."""
+        keys, later = self._warmup_keys(background, sampling=sampling, logprobs=logprobs, penalties=penalties,
+                                        grammar=grammar)
+        count = self.compiler.warmup(keys, later=later, on_key=on_bucket,
+                                     run=self._run_padding if self.channel is not None else None)
         jax.block_until_ready(self.kv_pages)
         return count
 
