@@ -155,10 +155,12 @@ class _Unconstrained:
 UNCONSTRAINED = _Unconstrained()
 
 
-def fill_grammar(rows: list[DecodeRow], out: dict[str, np.ndarray]) -> None:
-    """Write the grammar masks of a call into ``out`` (``allowed`` [R, G] int32, ``active`` [R]): each constrained
-    row's frontier mask, computed here, on the host, right before the call (it depends on what the row's last call
-    decided); every other row all-allowed and inactive."""
+def fill_grammar(rows: list[DecodeRow], fields: dict[str, np.ndarray]) -> None:
+    """Write the grammar masks of a call into its staging ``fields`` (``grammar.allowed`` [R, G] int32,
+    ``grammar.active`` [R]): each constrained row's frontier mask, computed here, on the host, right before the call
+    (it depends on what the row's last call decided); every other row all-allowed and inactive."""
+    prefix = row_schema.GRAMMAR_PREFIX
+    out = {k[len(prefix):]: v for k, v in fields.items() if k.startswith(prefix)}
     row_schema.reset(out, row_schema.GRAMMAR_INPUTS)
     for i, r in enumerate(rows):
         if r.grammar is None:

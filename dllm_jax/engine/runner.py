@@ -20,9 +20,8 @@ from dllm_jax.decode.algorithms import Algorithm
 from dllm_jax.engine.weight_sync import KIND_WEIGHTS, apply_received, update_template
 from dllm_jax.decode.packing import RowLayout
 from dllm_jax.decode import rows as row_schema
-from dllm_jax.engine.calls import (UNCONSTRAINED, ROW_ATTRIBUTES, DecodeOutput, DecodeRow, DenoiseCall, PenaltyRow, Pending,
-                                   PrefillCall, PrefillRow, RowError, fill_grammar, fill_penalties)
-from dllm_jax.decode.rows import GRAMMAR_PREFIX
+from dllm_jax.engine.calls import (UNCONSTRAINED, ROW_ATTRIBUTES, DecodeOutput, DecodeRow, DenoiseCall, PenaltyRow,
+                                   Pending, PrefillCall, PrefillRow, RowError, fill_grammar, fill_penalties)
 from dllm_jax.decode.step import (CHAIN_STOP_IDS, PENALTY_PREFIX, STATE_PREFIX, StepSpec, denoise_packed,
                                    init_kv_pages, prefill)
 from dllm_jax.cache.pages import TRASH_PAGE
@@ -115,9 +114,8 @@ class ModelRunner:
         self._result_layouts = {chain: row_schema.result_layout(row_schema.Dims(block_size, C=self.chain),
                                                                 self._fresh_state, chain=chain)
                                 for chain in (False, True)}
-        self._layouts: dict[tuple[int, bool, bool, bool], RowLayout] = {}
-        self._staged: dict[tuple[int, bool, bool, bool, int], tuple] = {}  # see _staging
-        self.grammar_words = (cfg.vocab_size + 31) // 32  # a grammar bitmask's int32 words
+        self._layouts: dict[tuple, RowLayout] = {}
+        self._staged: dict[tuple, tuple] = {}  # see _staging
         self.device_calls = 0
         self.compiler = Compiler(self._lower, background=channel is None)
         # When a list (the efficiency bench sets one), every call appends a CallRecord: its bucket and how much
@@ -150,8 +148,7 @@ class ModelRunner:
             self.device_calls += 1
             return None
         chain = shape[0] in self.chain_rows
-        layout = self.denoise_layout(shape[1], bool(variant & VARIANT_PENALTIES), chain,
-                                     bool(variant & VARIANT_GRAMMAR))
+        layout = self._layout_of(shape[1], variant, chain)
         rows = arrays["rows"]
         sampling = bool(np.any((layout.view(rows, "temperature") > 0) & (layout.view(rows, "top_k") != 1)))
         spec = self.denoise_spec(sampling, variant, chain)
@@ -165,30 +162,28 @@ class ModelRunner:
         return pick_bucket(rows, self.row_buckets) in self.chain_rows
 
     def denoise_layout(self, width: int, penalties: bool, chain: bool = False, grammar: bool = False) -> RowLayout:
-        """The packed per-row inputs of a denoise call with a ``width``-page table (:mod:`dllm_jax.decode.rows`);
-        ``chain``: with the chaining tables; ``grammar``: with the grammar masks."""
+        """A denoise call's packed per-row inputs (:mod:`dllm_jax.decode.rows`), with the tables asked for."""
         key = (width, penalties, chain, grammar)
         if key not in self._layouts:
             self._layouts[key] = row_schema.layout(self._input_fields(penalties, chain, grammar), self._dims(width))
         return self._layouts[key]
 
+    def _layout_of(self, width: int, variant: int, chain: bool) -> RowLayout:  # (``variant``: VARIANT_* bits)
+        return self.denoise_layout(width, bool(variant & VARIANT_PENALTIES), chain, bool(variant & VARIANT_GRAMMAR))
     def _dims(self, width: int) -> row_schema.Dims:
-        return row_schema.Dims(self.block_size, W=width, C=self.chain, G=self.grammar_words)
+        return row_schema.Dims(self.block_size, W=width, C=self.chain, G=(self.cfg.vocab_size + 31) // 32)
 
     def _input_fields(self, penalties: bool, chain: bool, grammar: bool = False) -> tuple:
         return row_schema.input_fields(self._dims(1), self._fresh_state, penalties=penalties, chain=chain,
                                        grammar=grammar)
 
     def _staging(self, width: int, penalties: bool, chain: bool, rows: int, grammar: bool = False):
-        """For a call of ``rows`` rows of ``denoise_layout(width, penalties, chain)``: its padding rows (every field
-        at its padding value: they decode nothing), what its real rows start from; a host array the call's rows
-        are written into, and that array's field views. One set per bucket, kept: building a layout's two dozen
-        views cost more than filling them."""
+        """For a call of ``rows`` rows of that ``denoise_layout``: its padding rows (they decode nothing), what its real
+        rows start from; a host array they are written into, and its views. One set per bucket, kept."""
         key = (width, penalties, chain, grammar, rows)
         if key not in self._staged:
-            self._staged[key] = row_schema.padding_rows(self._input_fields(penalties, chain, grammar),
-                                                        self._dims(width),
-                                                        rows)
+            fields = self._input_fields(penalties, chain, grammar)
+            self._staged[key] = row_schema.padding_rows(fields, self._dims(width), rows)
         return self._staged[key]
 
     def denoise_spec(self, sampling: bool, variant: int = 0, chain: bool = False) -> StepSpec:
@@ -215,8 +210,7 @@ class ModelRunner:
         if kind == KIND_PREFILL:
             return {"tokens": np.zeros((rows, length), np.int32), "page_table": np.zeros((rows, width), np.int32),
                     "prefix_len": np.zeros((rows,), np.int32), "write": np.zeros((rows, length // B), np.int32)}
-        layout = self.denoise_layout(width, bool(variant & VARIANT_PENALTIES), rows in self.chain_rows,
-                                     bool(variant & VARIANT_GRAMMAR))
+        layout = self._layout_of(width, variant, rows in self.chain_rows)
         return {"rows": np.zeros((rows, layout.width), np.int32)}
 
     def follow(self) -> int:
@@ -351,7 +345,7 @@ class ModelRunner:
             fill_penalties(rows, {k[len(PENALTY_PREFIX):]: v for k, v in fields.items()
                                    if k.startswith(PENALTY_PREFIX)})
         if grammar:
-            fill_grammar(rows, {k[len(GRAMMAR_PREFIX):]: v for k, v in fields.items() if k.startswith(GRAMMAR_PREFIX)})
+            fill_grammar(rows, fields)
         packed = staging.copy()  # the call's own inputs (the staging rows are rewritten by the next call)
         result = self._execute(KIND_DENOISE | (variant << 2), {"rows": packed}, (R, W, B))
         if self.read_async:
@@ -464,17 +458,14 @@ class ModelRunner:
                                  spec=self.prefill_spec)
         R, W, sampling, variant = key.rows, key.width, key.sampled, key.variant
         chain = R in self.chain_rows
-        layout = self.denoise_layout(W, bool(variant & VARIANT_PENALTIES), chain, bool(variant & VARIANT_GRAMMAR))
-        rows = jax.ShapeDtypeStruct((R, layout.width), np.int32)
-        return denoise_packed.lower(params, kv_pages, rows, spec=self.denoise_spec(sampling, variant, chain),
+        layout, spec = self._layout_of(W, variant, chain), self.denoise_spec(sampling, variant, chain)
+        return denoise_packed.lower(params, kv_pages, jax.ShapeDtypeStruct((R, layout.width), np.int32), spec=spec,
                                     layout=layout)
 
     # -------------------------------------------------------------------------------------------
-    def buckets(self, *, sampling: bool = False, logprobs: bool = False, penalties: bool = False,
-                grammar: bool = False) -> list[tuple]:
-        """Every key a call can take, with the step variants asked for (see :func:`compilation.bucket_keys`)."""
-        return bucket_keys(self.buckets_spec, self.prefill_width, sampling=sampling, logprobs=logprobs,
-                           penalties=penalties, grammar=grammar)
+    def buckets(self, **variants) -> list[tuple]:
+        """Every key a call can take, with the step variants asked for (:func:`compilation.bucket_keys`)."""
+        return bucket_keys(self.buckets_spec, self.prefill_width, **variants)
 
     def num_buckets(self, background: bool = False, **variants) -> int:  # how many keys warmup compiles now
         return len(self._warmup_keys(background, **variants)[0])
@@ -485,15 +476,13 @@ class ModelRunner:
             return keys, []
         return staged_keys(keys, denoise_rows=2 if self.greedy_spec.fold_commit else 1, block_size=self.block_size)
 
-    def warmup(self, *, sampling: bool = False, logprobs: bool = False, penalties: bool = False,
-               grammar: bool = False, on_bucket=None, background: bool = False) -> int:
+    def warmup(self, *, on_bucket=None, background: bool = False, **variants) -> int:
         """Compile every bucket now, with the step variants asked for (:meth:`Compiler.warmup`); ``background``: a
         short chat's now, the rest on the background thread (:func:`compilation.staged_keys`). Returns the count
         compiled now. With followers each bucket runs once instead, so that every process compiles it, all now."""
-        keys, later = self._warmup_keys(background, sampling=sampling, logprobs=logprobs, penalties=penalties,
-                                        grammar=grammar)
-        count = self.compiler.warmup(keys, later=later, on_key=on_bucket,
-                                     run=self._run_padding if self.channel is not None else None)
+        keys, later = self._warmup_keys(background, **variants)  # (sampling, logprobs, penalties, grammar)
+        run = self._run_padding if self.channel is not None else None
+        count = self.compiler.warmup(keys, later=later, on_key=on_bucket, run=run)
         jax.block_until_ready(self.kv_pages)
         return count
 
