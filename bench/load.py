@@ -253,8 +253,82 @@ def _probe_first_generate(path: str) -> dict:
                 peak_rss=_status()["VmHWM"])
 
 
-PROBES = {"first_generate": _probe_first_generate, "engine": _probe_engine, "transformers": _probe_transformers,
-          "floor": _probe_floor, "convert": _probe_convert, "load_converted": _probe_load_converted}
+FIRST_ANSWER_ROWS, FIRST_ANSWER_CONTEXT = 4, 1024  # the first_answer probe's engine (default buckets for them)
+
+
+def _probe_first_answer(path: str, cache: str) -> dict:
+    """Time to a first answer, split: imports, tokenizer (and config), weights, KV pool (the rest of
+    ``Engine(...)``), the executables a short chat needs (a staged warm-up: compiled, or loaded from the cache), and
+    the first call (one greedy request of 4 tokens). ``cache``: a compilation cache directory (reused: warm) or
+    ``cold`` (a fresh one). Every XLA compile in the process is listed by phase (what compiles while loading)."""
+    t_start = time.perf_counter()
+    import jax
+
+    compiles: list = []
+    phase = ["imports"]
+
+    def on_event(event: str, duration: float, **kw) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append((phase[0], kw.get("fun_name"), round(duration, 3)))
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    _import_like_transformers_probe()
+    from dllm_jax import Engine
+    from dllm_jax.model import loader
+
+    imports_s = time.perf_counter() - t_start
+    timings = {}
+    original_tok, original_weights = loader.load_tokenizer, loader.load_safetensors_params
+
+    def timed_tokenizer(*args, **kwargs):
+        t = time.perf_counter()
+        out = original_tok(*args, **kwargs)
+        timings["tokenizer_s"] = time.perf_counter() - t
+        return out
+
+    def timed_weights(*args, **kwargs):
+        phase[0] = "weights"
+        t = time.perf_counter()
+        out = jax.block_until_ready(original_weights(*args, **kwargs))
+        timings["weights_s"] = time.perf_counter() - t
+        phase[0] = "pool"
+        return out
+
+    loader.load_tokenizer, loader.load_safetensors_params = timed_tokenizer, timed_weights
+    cold = cache == "cold"
+    cache_dir = tempfile.mkdtemp(prefix="dllm-jax-bench-cold-cache-") if cold else cache
+    try:
+        phase[0] = "tokenizer"
+        t0 = time.perf_counter()
+        engine = Engine(path, dtype="bfloat16", compilation_cache=cache_dir, progress=False,
+                        max_running_requests=FIRST_ANSWER_ROWS, context_length=FIRST_ANSWER_CONTEXT)
+        jax.block_until_ready(engine.runner.kv_pages)
+        t1 = time.perf_counter()
+        phase[0] = "executables"
+        # the background thread would start on the rest beside the first call: not what a first answer needs
+        engine.runner.compiler._start = lambda: None
+        keys = engine.warmup(background=True)
+        t2 = time.perf_counter()
+        phase[0] = "first call"
+        t3 = time.perf_counter()
+        out = engine.generate(input_ids=list(range(100, 113)),
+                              sampling_params={"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+        t4 = time.perf_counter()
+        engine.shutdown()
+    finally:
+        if cold:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+    init_s = t1 - t0
+    pool_s = init_s - timings.get("tokenizer_s", 0.0) - timings.get("weights_s", 0.0)
+    return dict(cache=cache, imports_s=imports_s, tokenizer_s=timings.get("tokenizer_s"),
+                weights_s=timings.get("weights_s"), pool_s=pool_s, engine_init_s=init_s, executables_s=t2 - t1,
+                executables=keys, first_call_s=t4 - t3, answer_tokens=len(out["output_ids"]),
+                first_answer_s=init_s + (t2 - t1) + (t4 - t3), compiles=compiles, peak_rss=_status()["VmHWM"])
+
+
+PROBES = {"first_answer": _probe_first_answer, "first_generate": _probe_first_generate, "engine": _probe_engine,
+          "transformers": _probe_transformers, "floor": _probe_floor, "convert": _probe_convert,
+          "load_converted": _probe_load_converted}
 
 
 def probe(kind: str, *args: str) -> dict:
@@ -305,6 +379,7 @@ def load(ctx: Ctx) -> dict:
                 shutil.rmtree(out, ignore_errors=True)
         first = probe("first_generate", path)
         ctx.log(f"load: first generate {first}")
+        answers = first_answers(ctx, path, repeats)
     finally:
         if not ctx.overrides.get("load_keep"):
             cleanup(ctx)
@@ -354,6 +429,8 @@ def load(ctx: Ctx) -> dict:
                  f"safetensors (median of {repeats} fresh processes, page cache warm)",
                  ["what", "seconds", "peak RSS GiB", "RSS / checkpoint"], rows)
     command = "python -m bench load" + (" --quick" if ctx.quick else "")
+    result["first_answer"] = answers
+    text += "\n" + first_answer_table(ctx, answers, result, command)
     ctx.target("load: engine peak RSS / checkpoint bytes", result["engine_peak_rss_over_checkpoint"], 1.3,
                higher_is_better=False, command=command,
                note=f"{layers} layers; includes the process's {result['engine_base_rss'] / GIB:.2f} GiB before loading")
@@ -370,6 +447,46 @@ def load(ctx: Ctx) -> dict:
                note=f"{first['peak_rss'] / GIB:.2f} GiB for a {ckpt / GIB:.2f} GiB checkpoint; warm-up peak "
                     f"{first['warmup_peak_rss'] / GIB:.2f} GiB")
     return finish(ctx, "load", result, text)
+
+
+def first_answers(ctx: Ctx, path: str, repeats: int) -> dict:
+    """The first_answer probe with a cold compilation cache (a fresh directory), then ``repeats`` times with that
+    directory warm (fastest kept)."""
+    cache = tempfile.mkdtemp(prefix="dllm-jax-bench-cache-")
+    try:
+        cold = probe("first_answer", path, cache)
+        ctx.log(f"load: first answer, cold cache: {cold}")
+        warm = min((probe("first_answer", path, cache) for _ in range(repeats)), key=lambda r: r["first_answer_s"])
+        ctx.log(f"load: first answer, warm cache: {warm}")
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    return {"cold": cold, "warm": warm}
+
+
+SPLIT = [("imports (jax, transformers, dllm_jax)", "imports_s"), ("tokenizer and config", "tokenizer_s"),
+         ("weights on the device", "weights_s"), ("KV pool and the rest of Engine(...)", "pool_s"),
+         ("executables a short chat needs (compiled / loaded)", "executables_s"), ("first call (4 tokens)",
+                                                                                  "first_call_s"),
+         ("load + first answer (imports excluded)", "first_answer_s")]
+
+
+def first_answer_table(ctx: Ctx, answers: dict, result: dict, command: str) -> str:
+    """The split of a first answer, warm and cold cache, against transformers' from_pretrained + one forward."""
+    warm, cold = answers["warm"], answers["cold"]
+    hf = result["hf_from_pretrained_s"] + result["hf_first_forward_s"]
+    rows = [[what, warm[key], cold[key]] for what, key in SPLIT]
+    rows.append(["transformers: from_pretrained + one forward (median)", hf, hf])
+    rows.append(["first answer / transformers", warm["first_answer_s"] / hf, cold["first_answer_s"] / hf])
+    ctx.target("load: Engine + staged warm-up + first answer, warm compilation cache / transformers load + forward",
+               warm["first_answer_s"] / hf, 1.0, higher_is_better=False, command=command,
+               note=f"{warm['executables']} executables loaded from the cache; compiles while loading: "
+                    f"{sum(1 for c in warm['compiles'] if c[0] in ('tokenizer', 'weights', 'pool'))}")
+    ctx.target("load: the same, cold compilation cache / transformers load + forward", cold["first_answer_s"] / hf,
+               2.0, higher_is_better=False, command=command,
+               note=f"compiles while loading: {[c for c in cold['compiles'] if c[0] in ('weights', 'pool')]}")
+    return table(f"load: time to a first answer (Engine(dtype=bfloat16, max_running_requests={FIRST_ANSWER_ROWS}, "
+                 f"context_length={FIRST_ANSWER_CONTEXT}), warmup(background=True), one 4-token greedy answer; "
+                 f"fresh processes)", ["phase", "s, warm cache", "s, cold cache"], rows)
 
 
 def _denoise_ms(engine, prompts, params, concurrency: int) -> list[float]:

@@ -10,7 +10,8 @@ The mesh has two axes, ``("expert", "tp")``: dense models use only ``tp``; MoE m
 ``expert`` and each expert's intermediate dimension over ``tp``. XLA's SPMD partitioner (GSPMD) inserts the
 collectives from these annotations; the Pallas kernels run per shard under ``shard_map``, and the confidence
 selection reduces each shard's vocabulary slice to a (max, sum-exp, argmax) triple before combining, so full
-logits never exist on one device.
+logits never exist on one device (DiffusionGemma's renoise pass likewise merges per-shard partials:
+:func:`dllm_jax.decode.renoise.vocab_parallel_stats`; its layers' pools differ in KV heads: :func:`layer_pool_spec`).
 
 Multi-host: call :func:`dllm_jax.distributed.initialize` on every host first; ``jax.devices()`` then spans all
 hosts and the same mesh code shards over them.
@@ -112,6 +113,20 @@ def shard_kv_pages(kv_pages, cfg: ModelConfig, mesh: Mesh):
     k0 = kv_pages[0][0]
     sharding = NamedSharding(mesh, kv_pool_spec(cfg, mesh, k0.shape[1], k0.shape[2]))
     return [(jax.device_put(k, sharding), jax.device_put(v, sharding)) for k, v in kv_pages]
+
+
+def layer_pool_spec(kv_heads: int, mesh: Mesh) -> P:
+    """One layer's pool ``[Hkv, pages, S, D]`` where layers differ in KV heads (DiffusionGemma: sliding layers
+    ``num_kv_heads``, full layers ``num_global_kv_heads``, as their k projections' ``kv_heads`` /
+    ``global_kv_heads`` rows split): by whole heads when they divide, else replicated."""
+    axis = RULES["kv_heads"]
+    n = mesh.shape[axis]
+    return P(axis if n > 1 and kv_heads % n == 0 else None, None, None, None)
+
+
+def layer_pool_shardings(pools, mesh: Mesh):
+    """The :class:`NamedSharding` of every array of per-layer pools (tuples of ``[Hkv, pages, S, D]`` arrays)."""
+    return [tuple(NamedSharding(mesh, layer_pool_spec(a.shape[0], mesh)) for a in layer) for layer in pools]
 
 
 def vocab_shards(cfg: ModelConfig, mesh: Mesh | None) -> int:

@@ -254,12 +254,13 @@ def renoise_stats_streaming(hidden, head, embed, temperature, keys, *, softcap=N
 
 def _renoise_kernel(*refs, vocab, hidden_dim, block_n, block_v, block_k, block_h, vocab_major, softcap,
                     upcast_dots, adjusted, row_len, top_k, top_width):
-    n_in = 10 if adjusted else 5
-    key_ref, temp_ref, h_ref, w_ref, e_ref = refs[:5]
+    n_in = 11 if adjusted else 6
+    key_ref, temp_ref, h_ref, w_ref, e_ref, off_ref = refs[:6]
     m_ref, s_ref, w_out, a_ref, b_ref, k_ref, acc_ref = refs[n_in:n_in + 7]
     ri, hi = pl.program_id(0), pl.program_id(1)
     keys = key_ref[...]
     temps = temp_ref[...]
+    offset = jnp.min(off_ref[...])  # the first token id of this vocabulary shard (0: the whole vocabulary)
     n_k = cdiv(hidden_dim, block_k)
     k_tail = hidden_dim % block_k != 0
     h0 = hi * block_h
@@ -274,7 +275,7 @@ def _renoise_kernel(*refs, vocab, hidden_dim, block_n, block_v, block_k, block_h
 
     def adjust(z, t, cols):
         """This tile's entries of the rows whose positions the program holds (one row, or several short ones)."""
-        ids_ref, rep_ref, add_ref, until_ref, bounds_ref = refs[5:10]
+        ids_ref, rep_ref, add_ref, until_ref, bounds_ref = refs[6:11]
         gpos = ri * block_n + jnp.arange(block_n, dtype=jnp.int32)
         pos, prow = gpos % row_len, gpos // row_len
         row0 = (ri * block_n) // row_len
@@ -313,14 +314,15 @@ def _renoise_kernel(*refs, vocab, hidden_dim, block_n, block_v, block_k, block_h
         z = raw
         if softcap is not None:
             z = softcap * jnp.tanh(z / softcap)
+        ids = cols + offset  # global token ids: the noise, the indices and the tables use them
         if adjusted:
-            z = adjust(z, t, cols)
+            z = adjust(z, t, ids)
         z = z / temps[:, None]
         z = jnp.where(lax.broadcast_in_dim(col_ok, (block_n, block_v), (1,)), z, -jnp.inf)
         emask = lax.broadcast_in_dim(col_ok, (block_v, block_h), (0,)) & \
             lax.broadcast_in_dim(hout_ok, (block_v, block_h), (1,))
         e_tile = pltriton.load(e_ref.at[pl.ds(v0, block_v), pl.ds(h0, block_h)], mask=emask, other=0)
-        return _fold(carry, z, gumbel(keys, cols), cols, e_tile.astype(jnp.float32), topk)
+        return _fold(carry, z, gumbel(keys, ids), ids, e_tile.astype(jnp.float32), topk)
 
     out = lax.fori_loop(0, cdiv(vocab, block_v), vocab_body, _init(block_n, block_h, top_width))
     m_ref[...], s_ref[...], w_out[...] = out.m, out.s, out.w
@@ -359,8 +361,8 @@ def _unlayout(x, rows: int, row_len: int, padded: int):
                                              "top_k"))
 def renoise_stats_pallas(hidden, head, embed, temperature, keys, *, softcap=None, vocab_major=True, embed_scale=1.0,
                          interpret=False, block_n=16, block_v=64, block_k=64, block_h=None, num_warps=4,
-                         num_stages=2, partials: bool = False, adjust: Adjust | None = None, row_len: int = 1,
-                         top_k: int = 0):
+                         num_stages=2, partials: bool = False, vocab_offset=0, adjust: Adjust | None = None,
+                         row_len: int = 1, top_k: int = 0):
     """The fused pass as a Triton kernel (``interpret=True``: the same body as XLA ops, any platform).
 
     Grid ``(row tiles of block_n, hidden tiles of block_h)``: a program loops over the whole vocabulary, computes
@@ -371,7 +373,9 @@ def renoise_stats_pallas(hidden, head, embed, temperature, keys, *, softcap=None
     ``adjust`` (rows of ``row_len`` positions): positions are laid out so that a program holds one row's positions
     or whole rows (:func:`_canvas_layout`); per tile, it walks the entries of its rows' sorted tables that fall in
     the tile (bounds from a ``searchsorted`` before the kernel). ``top_k``: a running list per position, merged
-    with each tile by max-extraction (:func:`~pallas_kernels.renoise_adjust.topk_merge_iter`)."""
+    with each tile by max-extraction (:func:`~pallas_kernels.renoise_adjust.topk_merge_iter`). ``vocab_offset``
+    (``partials=True``, a vocabulary shard under ``shard_map``): the first token id of this shard's slices of
+    ``head`` / ``embed``; its noise, indices and tables are then the global ones."""
     n, h = hidden.shape
     vocab = embed.shape[0]
     block_n = max(16, next_pow2(min(block_n, max(n, 1))))
@@ -396,15 +400,17 @@ def renoise_stats_pallas(hidden, head, embed, temperature, keys, *, softcap=None
         upcast_dots=bool(interpret) and (hidden.dtype != jnp.float32 or head.dtype != jnp.float32),
         adjusted=adjust is not None, row_len=padded or 1, top_k=top_k, top_width=top_width)
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)  # noqa: E731
-    operands = [keys_p, temps, hidden_p, head, embed]
+    offsets = jnp.full((n_pad,), vocab_offset, jnp.int32)  # per row tile, like the keys (no scalar operand)
+    operands = [keys_p, temps, hidden_p, head, embed, offsets]
     in_specs = [pl.BlockSpec((block_n,), lambda i, j: (i,)), pl.BlockSpec((block_n,), lambda i, j: (i,)),
-                pl.BlockSpec((block_n, h), lambda i, j: (i, 0)), whole(head), whole(embed)]
+                pl.BlockSpec((block_n, h), lambda i, j: (i, 0)), whole(head), whole(embed),
+                pl.BlockSpec((block_n,), lambda i, j: (i,))]
     if adjust is not None:
         table_rows = n_pad // padded if padded <= block_n else rows
         extra = table_rows - adjust.ids.shape[0]
         padded_adj = adjust_lib.Adjust(*(jnp.pad(x, ((0, extra), (0, 0)), constant_values=fill) for x, fill in zip(
             adjust, (adjust_lib.PAD_ID, 1.0, 0.0, 0))))
-        bounds = adjust_lib.tile_bounds(padded_adj.ids, cdiv(vocab, block_v), block_v)
+        bounds = adjust_lib.tile_bounds(padded_adj.ids, cdiv(vocab, block_v), block_v, vocab_offset)
         operands += [*padded_adj, bounds]
         in_specs += [whole(x) for x in (*padded_adj, bounds)]
     row = pl.BlockSpec((None, block_n), lambda i, j: (j, i))

@@ -44,9 +44,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM / SIGINT, new requests get 503 at once and running ones may finish for this long; "
                         "then every open stream ends with an error event and every waiting request with a 503 "
                         "(default 30; 0: at once; a second signal: at once)")
+    g.add_argument("--warmup-all", action="store_true",
+                   help="compile every shape bucket before /health reports ok (default: the buckets a short chat "
+                        "needs, then ready, the rest on a background thread; a request whose bucket is not compiled "
+                        "yet runs in a larger compiled one or waits for its own)")
     g.add_argument("--warmup-variants", default=None, metavar="LIST",
                    help="also compile these step variants while starting, so that no first such request waits on "
-                        "a compile: a comma list of sampling, logprobs, penalties, or all (default: none)")
+                        "a compile: a comma list of sampling, logprobs, penalties, grammar, or all (default: none)")
     add_dp_arguments(p)
 
 
@@ -99,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-WARMUP_VARIANTS = ("sampling", "logprobs", "penalties")
+WARMUP_VARIANTS = ("sampling", "logprobs", "penalties", "grammar")
 
 
 def warmup_variants(value: str | None) -> dict:
@@ -109,7 +113,8 @@ def warmup_variants(value: str | None) -> dict:
         names = list(WARMUP_VARIANTS)
     for name in names:
         if name not in WARMUP_VARIANTS:
-            raise ValueError(f"warmup_variants: unknown variant {name!r} (sampling, logprobs, penalties, or all)")
+            raise ValueError(f"warmup_variants: unknown variant {name!r} (sampling, logprobs, penalties, grammar "
+                             f"or all)")
     return {name: True for name in names}
 
 

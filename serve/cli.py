@@ -91,8 +91,8 @@ def main(args: argparse.Namespace) -> int:
         app = create_app(engine, settings)
     else:
         def warm_up():
-            if warm:
-                engine.warmup(**variants)
+            if warm:  # staged: ready once a short chat's buckets are compiled, the rest in the background
+                engine.warmup(**variants, background=not args.warmup_all)
             return engine
 
         app = create_app(settings=settings, engine_factory=warm_up)

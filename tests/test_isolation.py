@@ -212,7 +212,7 @@ def test_an_engine_without_warmup_compiles_in_line(tiny_model, make_engine):
     lazily compiled engine, e.g. ``--no-warmup``)."""
     engine = make_engine(tiny_model, **ENGINE_KW)
     engine.generate(input_ids=[4, 5, 6], sampling_params={**LONG, "return_logprob": True})
-    assert engine.runner.compiler._pool is None
+    assert engine.runner.compiler._thread is None
 
 
 def test_a_call_that_loses_the_kv_pool_fails_the_running_requests_only(tiny_model, make_engine, monkeypatch,

@@ -227,3 +227,43 @@ def test_server_exits_when_a_follower_dies(tiny_model, tmp_path):
     text = (tmp_path / "log0.txt").read_text()
     assert "multi-process engine failed" in text and "must be restarted" in text, text[-3000:]
     procs[1].wait()
+
+
+@pytest.mark.slow
+def test_two_processes_serve_diffusion_gemma(tmp_path):
+    """DiffusionGemma over two processes, TP = 4 (a tied published-layout checkpoint, vocabulary split over all
+    four devices): both schedules answer seeded requests in the near-argmax regime with the tokens of one device,
+    the follower replays every call (encodes and denoise loops) and stops at each shutdown."""
+    pytest.importorskip("torch")
+    from test_renoise_tp import EXACT, PROMPTS, VOCAB
+
+    from dllm_jax import Engine
+    from dllm_jax.testing.diffusion_gemma import FULL, SLIDING, write_tiny_diffusion_gemma
+    from dllm_jax.testing.tokenizer_files import write_gemma_tokenizer
+
+    model = str(tmp_path / "dg")
+    os.makedirs(model)
+    ids = write_gemma_tokenizer(model, bpe_vocab=VOCAB - 5)
+    write_tiny_diffusion_gemma(model, canvas_length=4, tie=True, vocab_size=VOCAB, sliding_window=6,
+                               num_hidden_layers=2, layer_types=[SLIDING, FULL],
+                               eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]])
+    kw = dict(max_running_requests=2, max_prefill_tokens=16, context_length=64, warmup=False, algorithm_config=EXACT)
+    batches = [PROMPTS, [PROMPTS[1] + [50, 51]]]  # the second shares the first's pages (prefix reuse)
+    params = {"max_new_tokens": 8, "seed": 100, "ignore_eos": True}  # one seed: every request draws alike
+    runs = [{"schedule": s, "batches": batches, "params": params} for s in SCHEDULES]
+    procs = start_pair(tmp_path, {"model": model, "engine": dict(kw, tensor_parallel_size=4), "runs": runs,
+                                  "collective_timeout": COLLECTIVE_TIMEOUT})
+    expected = []
+    for schedule in SCHEDULES:
+        engine = Engine(model, schedule=schedule, **kw)
+        expected.append([[o["output_ids"] for o in engine.generate(input_ids=b, sampling_params=params)]
+                         for b in batches])
+        engine.scheduler.check_pages()
+        engine.shutdown()
+    assert wait_all(procs, tmp_path, 240) == [0, 0], logs(tmp_path)
+    leader, follower = result(tmp_path, 0), result(tmp_path, 1)
+    for i, schedule in enumerate(SCHEDULES):
+        run = leader["runs"][i]
+        assert run["outputs"] == expected[i], schedule
+        assert run["cached"][1][0] > 0, f"{schedule}: no prefix reuse in the second batch"
+        assert follower["runs"][i]["calls"] == run["calls"] > 0

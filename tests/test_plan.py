@@ -86,6 +86,26 @@ def test_cli_prints_the_table(tmp_path, capsys):
     assert lines[0].split()[:3] == ["model", "mesh", "params/dev"] and "reserve 4 GiB" in lines[-1]
     assert [line.split()[:2] for line in lines[1:3]] == [[tmp_path.name, "tp2"], ["sdar-8b", "tp2"]]
 
+@pytest.mark.parametrize("tp,ep", [(2, 1), (4, 1), (2, 2), (1, 4)])
+def test_plan_matches_diffusiongemma_per_device_bytes(tp, ep):
+    """The same for DiffusionGemma's runner (a tied tiny config: 4 q heads, sliding layers 2 KV heads, full layers
+    1, 4 experts): its parameters and both pools, per device, are what the plan computed."""
+    from dllm_jax.decode.renoise import RenoiseConfig
+    from dllm_jax.engine.renoise_runner import RenoiseRunner
+    from dllm_jax.testing.diffusion_gemma import tiny_text_config
+
+    cfg = ModelConfig.from_hf_dict(dict(architectures=["DiffusionGemmaForBlockDiffusion"],
+                                        model_type="diffusion_gemma", canvas_length=4, tie_word_embeddings=True,
+                                        text_config=tiny_text_config()))
+    params = jax.tree.map(lambda shape, dtype: np.zeros(shape, dtype), param_shapes(cfg), param_dtypes(cfg, np.float32),
+                          is_leaf=lambda x: isinstance(x, tuple))
+    runner = RenoiseRunner(params, cfg, RenoiseConfig(), num_pages={"full": NUM_PAGES, "sliding": NUM_PAGES},
+                           page_size=16, max_rows=1, max_pages_per_row=4, max_chunk=16, mesh=make_mesh(tp, ep))
+    p = plan.make_plan("dg", cfg, tp=tp, ep=ep, dtype="float32", block_size=16)
+    assert p.param_bytes_per_device == _max_device_bytes(runner.params)
+    assert p.kv_page_bytes_per_device * NUM_PAGES == _max_device_bytes(runner.pool)
+    assert p.total_param_bytes == sum(x.nbytes for x in jax.tree.leaves(runner.params))
+
 
 def test_diffusiongemma_preset_and_its_window_kv():
     """DiffusionGemma-26B-A4B at real size: 25.2B parameters; KV per token of context, per device: full layers the

@@ -274,6 +274,23 @@ def test_engine_with_an_image(engine_checkpoint, engine, tmp_path):
 
 
 @pytest.mark.slow
+def test_images_over_tp2(engine_checkpoint, engine):
+    """On a mesh (TP 2): the tower runs on one device and its soft tokens join the sharded encoder, replicated; a
+    batch of two prompts with different images answers as on one device."""
+    path = engine_checkpoint[0]
+    kw = dict(input_ids=[TEXT, TEXT], image_data=[_png(21), _png(22)], sampling_params=[_params()] * 2)
+    engine.flush_cache()
+    want = [o["output_ids"] for o in engine.generate(**kw)]
+    sharded = dllm_jax.Engine(model_path=path, warmup=False, max_running_requests=2, tensor_parallel_size=2,
+                              algorithm_config=engine.engine_config.algorithm_config)
+    try:
+        assert [o["output_ids"] for o in sharded.generate(**kw)] == want
+        sharded.scheduler.check_pages()
+    finally:
+        sharded.shutdown()
+
+
+@pytest.mark.slow
 def test_bad_images_name_the_field(engine, tmp_path):
     png = _png(5)
     cases = [(b"not an image", "image_data: not an image"),

@@ -234,3 +234,29 @@ def test_top_k_shards_merge_to_the_whole():
     _check(merged, want)
     np.testing.assert_array_equal(np.asarray(merged.top_ids), np.asarray(want.top_ids))
     assert _rel(merged.top_logprob, want.top_logprob) < 1e-5
+
+
+# the main suite runs the kernel's plain shards (the XLA loop's are the two tests above); tables and top-k are slow
+@pytest.mark.parametrize("impl,extras", [("pallas_interpret", False),
+                                         pytest.param("streaming", True, marks=pytest.mark.slow),
+                                         pytest.param("pallas_interpret", True, marks=pytest.mark.slow)])
+def test_offset_shards_merge_to_the_whole(impl, extras):
+    """Tensor parallelism's split (dllm_jax.decode.renoise.vocab_parallel_stats): each shard streams its slice of
+    the head and the embedding from its first token id (``vocab_offset``), its noise, indices and tables (``extras``:
+    with tables and top-k) global; the merged shards take the whole pass's decisions, bit for bit."""
+    rows, row_len, v, h, top_k = 2, 6, 300, 24, 5
+    rng = np.random.default_rng(11)
+    hidden, embed, _, _ = _case(n=rows * row_len, h=h, v=v, seed=4)
+    temps = jnp.asarray(np.repeat(rng.uniform(0.4, 0.8, rows), row_len), jnp.float32)
+    keys = R.draw_key(9, 2, jnp.arange(rows * row_len) // row_len, jnp.arange(rows * row_len) % row_len)
+    adj = _tables(rows, row_len, v, 32, rng)
+    kw = dict(softcap=30.0, adjust=adj, row_len=row_len, top_k=top_k) if extras else dict(softcap=30.0)
+    want = R.renoise_stats_reference(hidden, embed, embed, temps, keys, **kw)
+    fn = (functools.partial(R.renoise_stats_streaming, block_v=32) if impl == "streaming" else
+          functools.partial(R.renoise_stats_pallas, interpret=True, block_v=32, block_k=16, block_h=16))
+    cuts = [0, 75, 150, 225, 300]  # four shards, as TP = 4 splits a vocabulary of 300
+    parts = [fn(hidden, embed[a:b], embed[a:b], temps, keys, partials=True, vocab_offset=a, **kw)
+             for a, b in zip(cuts, cuts[1:])]
+    merged = R.finalize(R.merge_renoise_partials(R.Partials(*[jnp.stack(x) for x in zip(*parts)])))
+    _check(merged, want)
+    np.testing.assert_array_equal(np.asarray(merged.top_ids), np.asarray(want.top_ids))

@@ -66,8 +66,11 @@ class FakeRunner:
     def max_prefill_rows(self, chunk: int) -> int:
         return 2
 
-    def denoise_key(self, rows, pages, *, sampling, penalties, logprobs, top):
-        return ("denoise", sampling, penalties, logprobs, top)
+    def prefill_fit(self, chunk: int, rows: int):
+        return chunk, rows
+
+    def denoise_key(self, rows, pages, *, sampling, penalties, logprobs, top, grammar=False, ask=True):
+        return ("denoise", sampling, penalties, logprobs, top, grammar)
 
     def pool_lost(self) -> bool:
         return False
@@ -247,7 +250,7 @@ def test_a_failed_call_fails_only_its_requests():
 def test_rows_waiting_for_a_compile_wait_and_the_others_run():
     """A step variant compiling in the background: the rows that need it are left out of the calls, the plain
     ones run; once it is ready, they run too, with the same outputs."""
-    key = ("denoise", False, False, True, False)  # a call with log probabilities
+    key = ("denoise", False, False, True, False, False)  # a call with log probabilities
     sched, runner = make(waiting_keys=[key])
     plain = [request(p, max_new=8, rid=f"plain{i}") for i, p in enumerate(PROMPTS[:3])]
     wants = request(PROMPTS[3], max_new=8, rid="logprobs", return_logprob=True)

@@ -179,7 +179,7 @@ REFUSED = [
     ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "auto"}, "tool_choice"),
     ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"messages": CHAT, "function_call": "auto"}, "function_call"),
-    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "structural_tag"}}, "response_format.type"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}]},
      "messages[0].content[1].image_url.url"),  # not an image's data URL

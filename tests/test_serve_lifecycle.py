@@ -183,7 +183,7 @@ def test_start_warm_up_then_sigint_drains(model_dir, tmp_path):
     log_path = tmp_path / "server.log"
     # no compilation cache: the warm-up really compiles (a few seconds), whatever ran before
     server = server_process(model_dir, log_path, "--warmup-variants", "sampling", "--compilation-cache", "off",
-                            "--shutdown-timeout", "2.5").start()
+                            "--shutdown-timeout", "2.5", "--warmup-all").start()  # every bucket before ready
     try:
         port_s = server.wait_port()
         r = httpx.get(server.base + "/health")
@@ -308,7 +308,7 @@ def test_lifecycle_flags(capsys):
     from serve.cli import build_parser, run, warmup_variants
 
     assert warmup_variants(None) == {}
-    assert warmup_variants("all") == {"sampling": True, "logprobs": True, "penalties": True}
+    assert warmup_variants("all") == {"sampling": True, "logprobs": True, "penalties": True, "grammar": True}
     assert warmup_variants("logprobs, penalties") == {"logprobs": True, "penalties": True}
     args = build_parser().parse_args(["--warmup-variants", "sampling", "--shutdown-timeout", "0"])
     assert args.warmup_variants == "sampling" and args.shutdown_timeout == 0

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from dllm_jax.config import ModelConfig
 from dllm_jax.decode.rows import MAX_TOP_LOGPROBS
 from dllm_jax.model import gemma
+from dllm_jax.sharding import vocab_shards
 from pallas_kernels.renoise import draw_key, get_renoise_fn, uniform_tokens
 from pallas_kernels.renoise_adjust import Adjust
 
@@ -146,14 +147,43 @@ def accept(entropy, bound):
     return jnp.zeros_like(keep_sorted).at[rows, order].set(keep_sorted)
 
 
+def vocab_parallel_stats(backend: str, mesh, hidden, head, embed, temperature, keys, *, adjust=None, **kw):
+    """The vocabulary pass with the head and the embedding split by vocabulary over the mesh's ``tp`` axis
+    (:data:`dllm_jax.sharding.RULES`): each shard streams its own slice (its noise, indices and tables by global
+    token id, :func:`pallas_kernels.renoise.renoise_stats_streaming`'s ``vocab_offset``), then the shards
+    exchange their partials (``[N, H]`` plus a few ``[N]`` vectors each, never logits) and every shard merges
+    them alike. Its decisions are the whole pass's: a max and an argmax are exact under any split; the sums
+    (entropy, the soft embedding) round differently."""
+    from jax.sharding import PartitionSpec as P
+
+    from dllm_jax.sharding import RULES
+    from pallas_kernels.renoise import finalize, merge_renoise_partials
+
+    axis, fn = RULES["vocab"], get_renoise_fn(backend)
+    embed_scale = kw.pop("embed_scale", 1.0)
+
+    def local(h, w, e, t, k, *tables):
+        offset = jax.lax.axis_index(axis) * e.shape[0]
+        part = fn(h, w, e, t, k, partials=True, vocab_offset=offset, vocab_major=True,
+                  adjust=Adjust(*tables) if tables else None, **kw)
+        return finalize(merge_renoise_partials(jax.tree.map(lambda x: jax.lax.all_gather(x, axis), part)),
+                        embed_scale)
+
+    tables = tuple(adjust) if adjust is not None else ()
+    by_vocab = P(axis, None)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), by_vocab, by_vocab, P(), P()) + (P(),) * len(tables),
+                         out_specs=P(), check_vma=False)(hidden, head, embed, temperature, keys, *tables)
+
+
 def denoise_step(params, cfg: ModelConfig, rcfg: RenoiseConfig, state: RenoiseState, seeds, canvas_index, prefix_len,
                  kv_pages, page_tables, *, backend: str = "xla", draws: bool = False, adjust: Adjust | None = None,
-                 top_k: int = 0):
+                 top_k: int = 0, mesh=None):
     """One Gemma4Renoise step for every row (rows already finished keep their state). Returns the new state (and,
     with ``draws``, this step's ``(samples, renoise tokens, accepted)`` for replay checks). ``adjust``: each row's
     table of penalties / biases / masked stop ids (:mod:`dllm_jax.decode.renoise_tables`), applied inside the
     vocabulary pass; ``top_k``: also record the step's ``top_k`` most likely tokens per position (the state keeps
-    ``MAX_TOP_LOGPROBS``; fewer leave the rest as they were)."""
+    ``MAX_TOP_LOGPROBS``; fewer leave the rest as they were). ``mesh``: a tensor-parallel mesh whose ``tp`` axis
+    splits the vocabulary (:func:`vocab_parallel_stats`; None, or a vocabulary that does not divide: one pass)."""
     num_rows, length = state.canvas.shape
     hidden = gemma.decode_canvas(params, cfg, state.canvas, prefix_len, kv_pages, page_tables, state.soft)
     embed = gemma.decoder_weights(params, cfg)[0]
@@ -162,10 +192,13 @@ def denoise_step(params, cfg: ModelConfig, rcfg: RenoiseConfig, state: RenoiseSt
     temperature = rcfg.t_min + (rcfg.t_max - rcfg.t_min) * step.astype(jnp.float32) / rcfg.max_denoising_steps
     positions = jnp.arange(length, dtype=jnp.int32)[None, :]
     keys = draw_key(seeds[:, None], canvas_index[:, None], step[:, None], positions, stream=STREAM_SAMPLE)
-    stats = get_renoise_fn(backend)(
-        hidden.reshape(num_rows * length, -1), head, embed, jnp.repeat(temperature, length), keys.reshape(-1),
-        softcap=cfg.final_logit_softcapping, vocab_major=vocab_major, embed_scale=cfg.hidden_size ** 0.5,
-        adjust=adjust, row_len=length, top_k=top_k)
+    args = (hidden.reshape(num_rows * length, -1), head, embed, jnp.repeat(temperature, length), keys.reshape(-1))
+    kw = dict(softcap=cfg.final_logit_softcapping, embed_scale=cfg.hidden_size ** 0.5, adjust=adjust, row_len=length,
+              top_k=top_k)
+    if vocab_shards(cfg, mesh) > 1:
+        stats = vocab_parallel_stats(backend, mesh, *args, **kw)
+    else:
+        stats = get_renoise_fn(backend)(*args, vocab_major=vocab_major, **kw)
     shape = (num_rows, length)
     sample, argmax = stats.sample.reshape(shape), stats.argmax.reshape(shape)
     entropy, logprob = stats.entropy.reshape(shape), stats.logprob.reshape(shape)

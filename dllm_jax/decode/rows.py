@@ -7,7 +7,8 @@ code that uses its value).
 
 Shapes are written with symbolic sizes, bound per call by :class:`Dims`: ``B`` the block size, ``W`` the
 page-table width, ``C`` the chain width, ``H`` the penalty history (the prefix pages plus the block), ``S`` the
-chain stop-id table, ``NB`` / ``NS`` the logit-bias and min-new-tokens stop tables.
+chain stop-id table, ``NB`` / ``NS`` the logit-bias and min-new-tokens stop tables, ``G`` the words of a grammar
+bitmask (one bit per vocabulary entry).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dllm_jax.decode.packing import RowLayout
 
 STATE_PREFIX = "state."  # packed names of the algorithm state's leaves
 PENALTY_PREFIX = "penalties."  # and of the penalty tables
+GRAMMAR_PREFIX = "grammar."  # and of the grammar mask
 CHAIN_STOP_IDS = 8  # width of the stop-id table of a chaining row (a request with more stop ids does not chain)
 MAX_LOGIT_BIAS = 300  # logit-bias entries per row (OpenAI's limit; SamplingParams validates against it)
 MAX_MIN_NEW_STOP_IDS = 64  # EOS + stop ids masked by min_new_tokens
@@ -79,6 +81,12 @@ PENALTY_INPUTS = (
     Field("stop_ids", ("NS",), "int32", -1, "EOS and stop ids masked by min_new"),
     Field("active", (), "bool", False, "any non-neutral value (the others keep the plain figures)"),
 )
+# In the grammar variant (structured output, dllm_jax/engine/grammar.py): the tokens the row's grammar allows at its
+# frontier, the first position of its block still to decode. Every row starts unconstrained.
+GRAMMAR_INPUTS = (
+    Field("allowed", ("G",), "int32", -1, "bit v % 32 of word v // 32: token v allowed at the frontier"),
+    Field("active", (), "bool", False, "the row is constrained (else its computation is the plain step's)"),
+)
 RESULTS = (
     Field("tokens", ("B",), "int32", 0, "the block after the call"),
     Field("done", (), "bool", False, "the block is resolved"),
@@ -102,10 +110,11 @@ class Dims:
     B: int
     W: int = 1
     C: int = 0
+    G: int = 1  # grammar bitmask words: ceil(vocab / 32)
 
     def shape(self, symbolic: tuple) -> tuple[int, ...]:
         sizes = {"B": self.B, "W": self.W, "C": self.C, "H": (self.W + 1) * self.B, "S": CHAIN_STOP_IDS,
-                 "NB": MAX_LOGIT_BIAS, "NS": MAX_MIN_NEW_STOP_IDS}
+                 "NB": MAX_LOGIT_BIAS, "NS": MAX_MIN_NEW_STOP_IDS, "G": self.G}
         return tuple(sizes[d] if isinstance(d, str) else d for d in symbolic)
 
 
@@ -117,12 +126,15 @@ def _state_fields(state_row: dict) -> tuple[Field, ...]:
                  for k, v in sorted(state_row.items()))
 
 
-def input_fields(dims: Dims, state_row: dict, *, penalties: bool, chain: bool) -> tuple[Field, ...]:
+def input_fields(dims: Dims, state_row: dict, *, penalties: bool, chain: bool,
+                 grammar: bool = False) -> tuple[Field, ...]:
     fields = INPUTS + _state_fields(state_row)
     if chain:
         fields += CHAIN_INPUTS
     if penalties:
         fields += tuple(dataclasses.replace(f, name=PENALTY_PREFIX + f.name) for f in PENALTY_INPUTS)
+    if grammar:
+        fields += tuple(dataclasses.replace(f, name=GRAMMAR_PREFIX + f.name) for f in GRAMMAR_INPUTS)
     return fields
 
 
@@ -134,8 +146,8 @@ def layout(fields: tuple[Field, ...], dims: Dims) -> RowLayout:
     return RowLayout(tuple((f.name, dims.shape(f.shape), f.dtype) for f in fields))
 
 
-def input_layout(dims: Dims, state_row: dict, *, penalties: bool, chain: bool) -> RowLayout:
-    return layout(input_fields(dims, state_row, penalties=penalties, chain=chain), dims)
+def input_layout(dims: Dims, state_row: dict, *, penalties: bool, chain: bool, grammar: bool = False) -> RowLayout:
+    return layout(input_fields(dims, state_row, penalties=penalties, chain=chain, grammar=grammar), dims)
 
 
 def result_layout(dims: Dims, state_row: dict, *, chain: bool) -> RowLayout:
@@ -171,8 +183,10 @@ def _device_dataclass(name: str, fields: tuple[Field, ...], doc: str):
 
 Penalties = _device_dataclass("Penalties", PENALTY_INPUTS,
                               "One padded batch of penalty inputs (token tables padded with -1, ignored).")
+GrammarMask = _device_dataclass("GrammarMask", GRAMMAR_INPUTS, "One padded batch of grammar masks.")
 DenoiseBatch = _device_dataclass(
-    "DenoiseBatch", INPUTS + CHAIN_INPUTS + (Field("penalties", (), "-", None, "Penalties, in that variant"),),
+    "DenoiseBatch", INPUTS + CHAIN_INPUTS + (Field("penalties", (), "-", None, "Penalties, in that variant"),
+                                             Field("grammar", (), "-", None, "GrammarMask, in that variant")),
     "One padded batch of rows (requests), each holding its current block; ``[R, *shape]`` per field, "
     "``loop_cap`` a scalar.")
 
@@ -183,8 +197,11 @@ def unpack_inputs(values: dict) -> tuple[Any, dict]:
     penalties = None
     if any(k.startswith(PENALTY_PREFIX) for k in values):
         penalties = Penalties(**{f.name: values[PENALTY_PREFIX + f.name] for f in PENALTY_INPUTS})
+    grammar = None
+    if any(k.startswith(GRAMMAR_PREFIX) for k in values):
+        grammar = GrammarMask(**{f.name: values[GRAMMAR_PREFIX + f.name] for f in GRAMMAR_INPUTS})
     batch = DenoiseBatch(**{f.name: values[f.name] for f in INPUTS + CHAIN_INPUTS if f.name in values},
-                         penalties=penalties)
+                         penalties=penalties, grammar=grammar)
     batch.loop_cap = values["loop_cap"][0]
     return batch, state
 

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from dllm_jax.config import ModelConfig
 from dllm_jax.decode.algorithms import Algorithm, Candidates, State
 from dllm_jax.decode.algorithms import entropy as entropy_of
+from dllm_jax.decode import grammar_mask as gm
 from dllm_jax.decode import logprobs as lp
 from dllm_jax.decode.backends import attention_function, confidence_stats
 from dllm_jax.decode import rows
@@ -65,6 +66,9 @@ class StepSpec:
     # forward per block with identical tokens.
     fold_commit: bool = False
     penalties: bool = False  # the batch carries Penalties (some row has a penalty or bias)
+    # The batch carries GrammarMask (some row is constrained: decode/grammar_mask.py). A call with an active row
+    # runs one step (the host checks the row's run and computes its next mask after every step).
+    grammar: bool = False
     logprobs: bool = False  # record the log probability of every token a step writes
     top_logprobs: int = 0  # and the k most likely alternatives of that forward (0: none)
     # Block chaining: a row whose block is done, with no stop token in it, starts its next block on the device in
@@ -82,7 +86,8 @@ class StepSpec:
     def needs_logits(self) -> bool:
         """Whether the step materialises the ``[R, B, V]`` logits (else only the fused confidence figures)."""
         algo = self.algorithm
-        return self.sampling or self.penalties or algo.needs_logits or algo.needs_entropy
+        return self.sampling or self.penalties or algo.needs_logits or algo.needs_entropy  # (not grammar: it reads
+        # the logits at the frontier alone)
 
     @property
     def max_steps(self) -> int:
@@ -214,7 +219,8 @@ def candidates(params, hidden, batch: DenoiseBatch, spec: StepSpec) -> tuple[Can
         tokens, confidence = argmax.reshape(rows, block), p_max.reshape(rows, block)
         if not spec.needs_logits:
             scores = _Scores(None, hidden, lse.reshape(rows, block)) if spec.logprobs else None
-            return Candidates(tokens=tokens, confidence=confidence), scores
+            cand = Candidates(tokens=tokens, confidence=confidence)
+            return (_constrain(params, hidden, None, batch, cand, spec) if spec.grammar else cand), scores
         logits = _family(spec).logits_from_hidden(params, hidden)
         logits = _exclude_mask(logits, spec.mask_id)
         if spec.penalties:
@@ -237,8 +243,17 @@ def candidates(params, hidden, batch: DenoiseBatch, spec: StepSpec) -> tuple[Can
                 t = jnp.where(is_sampled(batch.temperature, batch.top_k), batch.temperature, 1.0)
                 tempered = logits / t[:, None, None]
             scores = _Scores(tempered, None, None)
-        return Candidates(tokens=tokens, confidence=confidence, entropy=entropy,
-                          logits=logits if algo.needs_logits else None, sampled=sampled_rows), scores
+        cand = Candidates(tokens=tokens, confidence=confidence, entropy=entropy,
+                          logits=logits if algo.needs_logits else None, sampled=sampled_rows)
+        return (_constrain(params, hidden, logits, batch, cand, spec) if spec.grammar else cand), scores
+
+
+def _constrain(params, hidden, logits, batch: DenoiseBatch, cand: Candidates, spec: StepSpec) -> Candidates:
+    """The grammar variant: each constrained row's frontier candidate (:func:`grammar_mask.constrain`)."""
+    with jax.named_scope("grammar"):
+        return gm.constrain(hidden, logits, batch, cand, mask_id=spec.mask_id,
+                            head=lambda h: _family(spec).logits_from_hidden(params, h),
+                            sample=(lambda z3: _sample(z3, batch)[0]) if spec.sampling else None)
 
 
 def _record(params, scores: _Scores, old_tokens, new_tokens, spec: StepSpec) -> lp.LogprobRecord:
@@ -312,6 +327,8 @@ def _update(params, hidden, batch: DenoiseBatch, tokens, state, steps_taken, spe
     leftover = fill[:, None] & (new_tokens == spec.mask_id) & ~batch.immutable
     new_tokens = jnp.where(leftover, cand.tokens, new_tokens)
     done = done & ~jnp.any(leftover | (fill[:, None] & (new_tokens != tokens)), axis=-1)
+    if spec.grammar:
+        new_tokens = gm.keep_run(tokens, new_tokens, batch.immutable, batch.grammar.active, mask_id=spec.mask_id)
     fresh = done
     if spec.fold_commit and spec.algorithm.foldable:
         resolved = ~jnp.any((new_tokens == spec.mask_id) & ~immutable, axis=-1)
@@ -343,6 +360,11 @@ def denoise(params, kv_pages, batch: DenoiseBatch, state: State, *, spec: StepSp
 
     def cond(c):
         done, it = c["done"], c["it"]
+        if spec.grammar:  # a constrained row needs the host after every step (its next mask)
+            return jnp.where(jnp.any(batch.grammar.active) & (it >= 1), False, _cond(done, it))
+        return _cond(done, it)
+
+    def _cond(done, it):
         if spec.first_done:
             return (it < jnp.minimum(max_iterations, batch.loop_cap)) & ~jnp.any(done & live) & ~jnp.all(done)
         return (it < max_iterations) & ~jnp.all(done)

@@ -50,6 +50,9 @@ class _HostRow:
     refresh: bool = False  # a folded block re-encoded for its exact KV (nothing to decode)
     logprobs: int = -1  # -1: none; 0: the written tokens' log probabilities; k > 0: and the top k alternatives
     penalty: "PenaltyRow | None" = None  # None: no penalty or bias
+    # The request's grammar (dllm_jax/engine/grammar.py ``RowGrammar``: ``fill_mask``), or UNCONSTRAINED (a row of
+    # the grammar variant that nothing constrains: warm-up), or None.
+    grammar: Any = None
     # Block chaining (FDFO): pages reserved for the row's next blocks (it may start one per page on the device) and
     # the token ids that end its generation (at most CHAIN_STOP_IDS). Empty: the row does not chain.
     chain_pages: list[int] = dataclasses.field(default_factory=list)
@@ -141,6 +144,31 @@ class Failed:
     """The result of a call that raised."""
 
     error: BaseException
+
+
+class _Unconstrained:
+    @staticmethod
+    def fill_mask(out) -> bool:
+        return False
+
+
+UNCONSTRAINED = _Unconstrained()
+
+
+def fill_grammar(rows: list[DecodeRow], fields: dict[str, np.ndarray]) -> None:
+    """Write the grammar masks of a call into its staging ``fields`` (``grammar.allowed`` [R, G] int32,
+    ``grammar.active`` [R]): each constrained row's frontier mask, computed here, on the host, right before the call
+    (it depends on what the row's last call decided); every other row all-allowed and inactive."""
+    prefix = row_schema.GRAMMAR_PREFIX
+    out = {k[len(prefix):]: v for k, v in fields.items() if k.startswith(prefix)}
+    row_schema.reset(out, row_schema.GRAMMAR_INPUTS)
+    for i, r in enumerate(rows):
+        if r.grammar is None:
+            continue
+        try:
+            out["active"][i] = r.grammar.fill_mask(out["allowed"][i])
+        except Exception as e:
+            raise RowError(i, e) from e
 
 
 def fill_penalties(rows: list[DecodeRow], out: dict[str, np.ndarray]) -> None:

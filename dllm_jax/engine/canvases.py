@@ -212,7 +212,7 @@ class Canvases:
         tokens = [r.real_ids[self._kv_len[r]:self._chunk_end(r)] for r in ready]
         tables = self._tables(ready)
         compiler = self.runner.compiler
-        if compiler.warmed and len(ready) > 1:
+        if compiler.warmed and compiler.background and len(ready) > 1:  # (followers: compiled in line, in step)
             key = self.runner.encode_key(len(ready), max(map(len, tokens)), tables[FULL_KIND].shape[1])
             if key not in compiler.compiled:  # a shape warm-up did not cover: compiled aside, one row meanwhile
                 compiler.compile_soon(key)
@@ -273,7 +273,8 @@ class Canvases:
             reqs = [r for r in reqs if r in self.s.running]
             if not reqs:
                 return None
-        top = any(r.params.logprobs > 0 for r in reqs)
+        # (a constrained row reads each position's recorded alternatives where its canvas breaks the grammar)
+        top = any(r.params.logprobs > 0 or r.grammar is not None for r in reqs)
         return DenoiseCall(list(reqs), starting, seeds, canvas_index, prefix, tables, live, steps, adjust, top)
 
     def _canvas_entries(self, req: Request) -> tuple:
@@ -309,7 +310,10 @@ class Canvases:
                 continue
             try:
                 top = None if out.top_ids is None else (out.top_logprob[s], out.top_ids[s])
-                self._commit_canvas(req, out.argmax[s], out.logprob[s], top)
+                canvas = out.argmax[s]
+                if req.grammar is not None:  # the valid prefix, and an allowed token where it broke
+                    canvas = np.asarray(req.grammar.accept_canvas(canvas.tolist(), top and top[1]), np.int32)
+                self._commit_canvas(req, canvas, out.logprob[s], top)
             except Exception as e:  # one request's commit failing is its own
                 self.s.fail(req, e)
 

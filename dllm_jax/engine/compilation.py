@@ -15,13 +15,18 @@ Buckets (every dimension a power of two, so a handful of executables serve all t
 
 Step variants: a denoise call compiles (per bucket) the plain step, or a variant when some row samples
 (``sampling``), has a penalty / bias (``VARIANT_PENALTIES``: the call carries fixed-width penalty tables) or wants
-log probabilities (``VARIANT_LOGPROBS``, and ``VARIANT_TOP`` when some row wants alternatives). A batch without them
-runs the plain step.
+log probabilities (``VARIANT_LOGPROBS``, and ``VARIANT_TOP`` when some row wants alternatives) or is constrained by
+a grammar (``VARIANT_GRAMMAR``: the call carries a bitmask per row). A batch without them runs the plain step.
 
 A call's **key** is a named tuple of its bucket: :class:`DenoiseKey` ``(kind, rows, width, sampled, variant)`` or
 :class:`PrefillKey` ``(kind, rows, blocks, width)`` (DiffusionGemma's runner has its own, with a ``kind`` too). :meth:`Compiler.warmup` compiles a list of keys ahead of time; afterwards nothing it covered
 compiles again (a test counts :func:`compiled_executables`). A key whose step variant warm-up did not cover compiles
 on one background thread (:meth:`Compiler.compile_soon`) while the scheduler runs the calls that do not need it.
+
+A staged warm-up (``Engine.warmup(background=True)``, ``dllm-jax serve``'s) compiles only the keys a short chat needs
+(:func:`staged_keys`) and leaves the rest to that thread, fewer rows and narrower tables first; until a key is
+compiled its calls run in a larger compiled bucket (:func:`fit_key`, :func:`prefill_fit`) or wait for it, and a key
+a call waits for is compiled before the others.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import jax
 from pallas_kernels import next_pow2
 
 # Denoise variants, as bits (a call's header carries them above its kind; followers shape their arrays from it).
-VARIANT_PENALTIES, VARIANT_LOGPROBS, VARIANT_TOP = 1, 2, 4
+VARIANT_PENALTIES, VARIANT_LOGPROBS, VARIANT_TOP, VARIANT_GRAMMAR = 1, 2, 4, 8
 
 
 class DenoiseKey(NamedTuple):
@@ -96,6 +101,17 @@ class ShapeBuckets:
     def prefill_rows_for(self, chunk: int) -> tuple[int, ...]:
         return tuple(r for r in self.prefill_rows if r == 1 or r * chunk <= self.prefill_budget)
 
+    def larger(self, key: tuple, chain_rows: frozenset = frozenset()) -> list[tuple]:
+        """The buckets of ``key``'s step that hold its call: rows and width (denoise) or rows and blocks (prefill)
+        at least its own. A call of a chaining row bucket (``chain_rows``) only in another one (its rows carry
+        chaining tables)."""
+        if key.kind == "denoise":
+            chain = key.rows in chain_rows
+            return [key._replace(rows=R, width=W) for R in self.rows if R >= key.rows and (R in chain_rows or not chain)
+                    for W in self.pages if W >= key.width]
+        return [key._replace(rows=R, blocks=C) for C in self.prefill_blocks if C >= key.blocks
+                for R in self.prefill_rows_for(C) if R >= key.rows]
+
     @classmethod
     def build(cls, *, max_rows: int, max_pages_per_row: int, max_prefill_blocks: int, fold_commit: bool,
               custom: dict | None = None) -> "ShapeBuckets":
@@ -136,24 +152,85 @@ class ShapeBuckets:
         return cls(**values)
 
 
-def variants_for(*, penalties: bool, logprobs: bool, top: bool) -> int:
+def variants_for(*, penalties: bool, logprobs: bool, top: bool, grammar: bool = False) -> int:
     return ((VARIANT_PENALTIES if penalties else 0) | (VARIANT_LOGPROBS if logprobs or top else 0)
-            | (VARIANT_TOP if top else 0))
+            | (VARIANT_TOP if top else 0) | (VARIANT_GRAMMAR if grammar else 0))
 
 
 def bucket_keys(buckets: ShapeBuckets, prefill_width: int, *, sampling: bool = False, logprobs: bool = False,
-                penalties: bool = False) -> list[tuple]:
+                penalties: bool = False, grammar: bool = False) -> list[tuple]:
     """Every key a call can take, with the step variants asked for (every combination: a batch may mix such
     requests). Prefill calls take the widest table (``prefill_width``)."""
     variants = [0]
     if penalties:
         variants += [VARIANT_PENALTIES]
+    if grammar:
+        variants += [v | VARIANT_GRAMMAR for v in list(variants)]
     if logprobs:
         variants += [v | VARIANT_LOGPROBS | top for v in list(variants) for top in (0, VARIANT_TOP)]
     out = [DenoiseKey("denoise", R, W, sampled, v) for sampled in ((False, True) if sampling else (False,))
            for v in variants for R, W in itertools.product(buckets.rows, buckets.pages)]
     out += [PrefillKey("prefill", R, C, prefill_width) for C in buckets.prefill_blocks for R in buckets.prefill_rows_for(C)]
     return out
+
+
+# A staged warm-up compiles first a prefill bucket of at least this many tokens a row (a chat template and a
+# question; a longer prompt prefills in several calls of it until its own bucket is compiled). Every call of the
+# bucket costs its padded tokens' FLOPs: at 256 tokens (64 blocks of 4) an SDAR-1.7B-shaped model's first 13-token
+# prompt took 30 s of a loaded 2-core CPU.
+SHORT_PROMPT_TOKENS = 64
+
+
+def staged_keys(keys: list[tuple], *, denoise_rows: int, block_size: int) -> tuple[list[tuple], list[tuple]]:
+    """A staged warm-up's keys: those a single short chat needs, compiled before the engine is ready, and the rest,
+    in the order common traffic reaches them (fewer rows, then narrower tables first; step variants last), left to
+    the background thread.
+
+    First: the plain denoise step at ``denoise_rows`` rows (one request, and its refresh row with commit folding) and
+    the widest page table, and one prefill row of the smallest chunk that holds ``SHORT_PROMPT_TOKENS``. Until a
+    narrower or a smaller bucket is compiled its calls run in these (:func:`fit_key`): the attention walks only a
+    row's real prefix, so a wider table costs little; padded prefill blocks cost their FLOPs, once a prompt."""
+    plain = [k for k in keys if k.kind == "denoise" and k.step_class == (False, 0)]
+    prefills = [k for k in keys if k.kind == "prefill" and k.rows == 1]
+    first = []
+    if plain:
+        rows = min((k.rows for k in plain if k.rows >= denoise_rows), default=max(k.rows for k in plain))
+        first.append(max((k for k in plain if k.rows == rows), key=lambda k: k.width))
+    if prefills:
+        blocks = -(-SHORT_PROMPT_TOKENS // block_size)
+        chunk = min((k.blocks for k in prefills if k.blocks >= blocks), default=max(k.blocks for k in prefills))
+        first += [k for k in prefills if k.blocks == chunk]
+    rest = sorted((k for k in keys if k not in first),
+                  key=lambda k: (k.kind == "denoise" and k.step_class != (False, 0), k.rows, k[2]))
+    return first, rest
+
+
+def fit_key(compiler: "Compiler", key: tuple, larger: Callable[[], list[tuple]], ask: bool = True) -> tuple | None:
+    """The key a call of ``key``'s shape runs under now: ``key`` itself unless it waits for a background compile;
+    else (its compile asked for first, unless ``ask`` is False: a probe) the smallest compiled bucket among
+    ``larger()`` (padding rows, a wider table, padded blocks: the same results), or None: the call waits."""
+    if not compiler.compiles_in_background(key):
+        return key
+    if ask:
+        compiler.compile_soon(key)
+    ready = [k for k in larger() if not compiler.compiles_in_background(k)]
+    return min(ready, key=lambda k: (k.rows * k[2], k)) if ready else None
+
+
+def prefill_fit(compiler: "Compiler", buckets: ShapeBuckets, chunk: int, rows: int,
+                width: int) -> tuple[int, int] | None:
+    """(blocks per row, rows) a prefill call planned as ``rows`` rows of ``chunk`` blocks can run with now: as
+    planned when its bucket or a larger one is compiled (:func:`fit_key`); while a staged warm-up compiles it,
+    fewer blocks per row (the rest go in later calls), then fewer rows, in compiled buckets; None: nothing fits."""
+    own = PrefillKey("prefill", pick_bucket(rows, buckets.prefill_rows_for(pick_bucket(chunk, buckets.prefill_blocks))),
+                     pick_bucket(chunk, buckets.prefill_blocks), width)
+    if fit_key(compiler, own, lambda: buckets.larger(own)) is not None:
+        return chunk, rows
+    for C in reversed([c for c in buckets.prefill_blocks if c < chunk]):
+        for R in reversed(buckets.prefill_rows_for(C)):
+            if not compiler.compiles_in_background(PrefillKey("prefill", R, C, width)):
+                return C, min(R, rows)
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,7 +291,10 @@ class Compiler:
     """The executables of one runner. ``lower(key)`` traces and lowers a key's call from abstract inputs (thread-
     safe: it touches no staging array or device buffer); its ``compile()`` puts the executable in JAX's caches,
     where the call of that shape finds it. ``background``: whether keys may compile on a thread of their own
-    (single-process engines: with followers, every process must compile what the leader runs, in step)."""
+    (single-process engines: with followers, every process must compile what the leader runs, in step).
+
+    Background compiles run on one thread (the other cores keep serving), in order: a key a waiting call needs
+    (:meth:`compile_soon`) goes before the keys a staged warm-up left for later (:meth:`compile_later`)."""
 
     def __init__(self, lower: Callable[[tuple], "jax.stages.Lowered"], *, background: bool = True):
         count_compiles()
@@ -223,12 +303,19 @@ class Compiler:
         self.compiled: set[tuple] = set()
         self.warmed = False  # warm-up ran: a shape it did not cover compiles in the background (compile_soon)
         self.warmed_classes: set[tuple[bool, int]] = set()  # (sampling, variant) compiled for every bucket
-        self._compiling: dict[tuple, concurrent.futures.Future] = {}
+        self._queue: list[tuple] = []  # keys the background thread compiles next, in order
+        self._deferred: set[tuple] = set()  # keys a staged warm-up left to the background thread, not compiled yet
+        self._current: tuple | None = None  # the key the background thread compiles now
         self._failed: dict[tuple, BaseException] = {}
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._cv = threading.Condition()
+        self._working = False  # the background thread runs (it ends when the queue is empty)
+        self._thread: threading.Thread | None = None
+        self._closed = False
 
-    def warmup(self, keys: list[tuple], *, run: Callable[[tuple], None] | None = None, on_key=None) -> int:
-        """Compile every key now. Returns the count.
+    def warmup(self, keys: list[tuple], *, run: Callable[[tuple], None] | None = None, on_key=None,
+               later: list[tuple] = ()) -> int:
+        """Compile every key now. Returns the count. ``later``: keys of the same step classes left to the
+        background thread (:meth:`compile_later`): a staged warm-up, ready once ``keys`` are.
 
         The executables are compiled ahead of time, not run: running a bucket of padding rows costs its full
         forward, and the big prefill buckets of a 50M model took minutes of a CPU's start that way. Tracing and
@@ -251,44 +338,104 @@ class Compiler:
                     pending[-1].add_done_callback(lambda _: on_key())
             for future in pending:
                 future.result()  # a compile error surfaces here, in the caller's thread
-        self.compiled.update(keys)
+        with self._cv:
+            self.compiled.update(keys)
         self.warmed = True
-        self.warmed_classes.update(k.step_class for k in keys if k.kind == "denoise")
+        self.warmed_classes.update(k.step_class for k in [*keys, *later] if k.kind == "denoise")
+        if later:
+            self.compile_later(later)
         return len(keys)
 
     def ran(self, key: tuple) -> None:
         """A call of ``key`` ran (it compiled in line if nothing had compiled it before)."""
-        self.compiled.add(key)
+        with self._cv:
+            self.compiled.add(key)
 
     def compiles_in_background(self, key: tuple) -> bool:
-        """Whether a call of ``key`` must wait for a background compile: its step variant was not warmed up and its
-        executable is not compiled yet. Only after a warm-up: an engine that compiles lazily compiles every call in
-        line, as its first calls must anyway. A key whose background compile failed reads False: the call then runs
-        and fails with the error (its requests only)."""
-        return (self.background and bool(self.warmed_classes) and key.kind == "denoise"
-                and key not in self.compiled and key.step_class not in self.warmed_classes and key not in self._failed)
+        """Whether a call of ``key`` must wait for a background compile: its executable is not compiled yet and
+        either a staged warm-up left it for later or its step variant was not warmed up. Only after a warm-up: an
+        engine that compiles lazily compiles every call in line, as its first calls must anyway. A key whose
+        background compile failed reads False: the call then runs and fails with the error (its requests only)."""
+        if not self.background or not self.warmed_classes or key in self.compiled or key in self._failed:
+            return False
+        return key in self._deferred or (key.kind == "denoise" and key.step_class not in self.warmed_classes)
+
+    def pending_keys(self) -> int:
+        """How many keys the background thread has still to compile (a staged warm-up's rest included)."""
+        with self._cv:
+            return len(self._queue) + (self._current is not None)
+
+    def compile_later(self, keys: list[tuple]) -> None:
+        """Compile these keys on the background thread, in order, after any key a call waits for; until each is
+        compiled, :meth:`compiles_in_background` reads True for it (its calls wait, or run in a larger compiled
+        bucket)."""
+        with self._cv:
+            for key in keys if not self._closed else ():
+                if key not in self.compiled and key not in self._deferred and key not in self._failed:
+                    self._deferred.add(key)
+                    self._queue.append(key)
+            self._start()
 
     def compile_soon(self, key: tuple) -> None:
-        """Compile ``key``'s executable on the background thread (once; a no-op if compiled or under way). One
-        thread: the other cores keep serving."""
-        if key in self.compiled or key in self._compiling or key in self._failed:
+        """Compile ``key``'s executable on the background thread next (once; a no-op if compiled or under way):
+        a call waits for it, so it goes before the keys a staged warm-up left for later."""
+        with self._cv:
+            if self._closed or key in self.compiled or key in self._failed or key == self._current:
+                return
+            if key in self._queue:
+                self._queue.remove(key)
+            self._deferred.add(key)
+            self._queue.insert(0, key)
+            self._start()
+
+    def _start(self) -> None:
+        """(Holding the lock.) Start the background thread if it is not running, and wake it."""
+        if self._closed or not self._queue:
             return
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dllm-compile")
-        self._compiling[key] = self._pool.submit(self._compile, key)
+        if not self._working:
+            self._working = True
+            self._thread = threading.Thread(target=self._work, name="dllm-compile-bg", daemon=True)
+            self._thread.start()
+        self._cv.notify_all()
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                if self._closed or not self._queue:
+                    self._working = False
+                    return
+                key = self._current = self._queue.pop(0)
+            try:
+                if key not in self.compiled:
+                    self._compile(key)
+            except BaseException as e:  # the call that needs it runs and fails with it
+                self._failed[key] = e
+            finally:
+                with self._cv:
+                    self._deferred.discard(key)
+                    self._current = None
+                    self._cv.notify_all()
 
     def _compile(self, key: tuple) -> None:
-        try:
-            self.lower(key).compile()
+        self.lower(key).compile()
+        with self._cv:
             self.compiled.add(key)
-        except BaseException as e:  # the call that needs it runs and fails with it
-            self._failed[key] = e
-        finally:
-            self._compiling.pop(key, None)
 
     def wait(self, timeout: float) -> None:
         """Block up to ``timeout`` seconds until a background compile finishes (the scheduler, with nothing it can
         run, waits here instead of spinning)."""
-        pending = list(self._compiling.values())
-        if pending:
-            concurrent.futures.wait(pending, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+        with self._cv:
+            if self._current is not None or self._queue:
+                self._cv.wait(timeout)
+
+    def close(self) -> None:
+        """Compile nothing more in the background: drop the queue and wait for the key compiling (an engine shutting
+        down: a compile left running aborts the interpreter at its exit). Keys left uncompiled stay waited for:
+        calls keep running in the buckets compiled."""
+        with self._cv:
+            self._closed = True
+            self._queue.clear()
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()

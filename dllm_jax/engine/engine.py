@@ -121,24 +121,33 @@ class Engine(Rounds, RequestInputs, EngineInfo, Profiling, WeightUpdates, PauseG
     # ------------------------------------------------------------------------------------------
     # Warm-up and requests
     # ------------------------------------------------------------------------------------------
-    def warmup(self, sampling: bool = False, *, logprobs: bool = False, penalties: bool = False) -> int:
+    def warmup(self, sampling: bool = False, *, logprobs: bool = False, penalties: bool = False,
+               grammar: bool = False, background: bool = False) -> int:
         """Compile every shape bucket now, so no request waits on a compile later (a progress bar shows it when
-        ``progress`` is on; cached executables load from the persistent compilation cache). Returns the count.
-        ``sampling`` / ``logprobs`` / ``penalties`` also compile the step variants for such requests (each
-        multiplies the denoise buckets; without them a first such request compiles its variant on the fly).
+        ``progress`` is on; cached executables load from the persistent compilation cache). Returns the count
+        compiled now. ``sampling`` / ``logprobs`` / ``penalties`` / ``grammar`` also compile the step variants for
+        such requests (each multiplies the denoise buckets; without them a first such request compiles its variant
+        on the fly).
+        ``background`` (a staged warm-up, ``dllm-jax serve``'s): compile now only what a short chat needs (the
+        one-request denoise step at the widest table, a short prompt's prefill) and the rest on a background
+        thread, smaller buckets first; meanwhile a call runs in a larger compiled bucket, or waits for its own,
+        whose compile then goes first (SDAR / LLaDA2; a DiffusionGemma engine compiles everything now).
         Without a progress bar (stderr is not a terminal: a service's log) the progress is logged as lines,
         ``compiled 17/45 shape buckets``, one per tenth of the buckets or per 5 s, whichever comes first."""
         from tqdm import tqdm
 
         variants = dict(sampling=sampling, logprobs=logprobs, penalties=penalties)
-        total = self.runner.num_buckets(**variants)
+        if grammar:
+            variants["grammar"] = True
+        total = self.runner.num_buckets(background, **variants)  # compiled now
         start = time.perf_counter()
         with self._lock, tqdm(total=total, desc="compiling", unit="bucket", disable=not self.progress,
                               leave=False) as bar:
             on_bucket = (lambda: bar.update(1)) if self.progress else ProgressLines(total, log)
-            count = self.runner.warmup(**variants, on_bucket=on_bucket)
-        log.info("compiled %d shape buckets in %.1f s (compilation cache: %s)", count, time.perf_counter() - start,
-                 self.compilation_cache or "off")
+            count = self.runner.warmup(**variants, on_bucket=on_bucket, background=background)
+        log.info("compiled %d shape buckets in %.1f s (compilation cache: %s)%s", count, time.perf_counter() - start,
+                 self.compilation_cache or "off",
+                 f"; {self.runner.compiler.pending_keys()} more compile in the background" if background else "")
         return count
 
     # ------------------------------------------------------------------------------------------
@@ -261,6 +270,7 @@ class Engine(Rounds, RequestInputs, EngineInfo, Profiling, WeightUpdates, PauseG
             self.stop_profile()
         if self.is_leader and self.failure is None:
             self.runner.stop_followers()
+        self.runner.compiler.close()
         self._shutdown = True
 
     def __enter__(self):

@@ -57,14 +57,7 @@ def build_mask_blocks(engine, loaded, o, channel):
         num_kv_pages=o.num_kv_pages, remember=compile_cache.beside(engine.compilation_cache, "kv_pool.json"))
     engine.num_kv_pages = num_kv_pages = engine.kv_budget.num_pages
     log.info("%s", engine.kv_budget.describe(engine.context_length))
-    engine.tensor_parallel_size = o.tensor_parallel_size
-    engine.expert_parallel_size = o.expert_parallel_size
-    mesh = None
-    if o.tensor_parallel_size * o.expert_parallel_size > 1:
-        from dllm_jax.sharding import make_mesh
-
-        mesh = make_mesh(o.tensor_parallel_size, o.expert_parallel_size)
-    engine.mesh = mesh
+    mesh = _mesh(engine, o)
     if channel is None:
         from dllm_jax.distributed import default_channel
 
@@ -89,6 +82,18 @@ def build_mask_blocks(engine, loaded, o, channel):
     return channel
 
 
+def _mesh(engine, o):
+    """The ``("expert", "tp")`` device mesh of the options (None: one device); sets the engine's degrees."""
+    engine.tensor_parallel_size = o.tensor_parallel_size
+    engine.expert_parallel_size = o.expert_parallel_size
+    engine.mesh = None
+    if o.tensor_parallel_size * o.expert_parallel_size > 1:
+        from dllm_jax.sharding import make_mesh
+
+        engine.mesh = make_mesh(o.tensor_parallel_size, o.expert_parallel_size)
+    return engine.mesh
+
+
 def _mask_info(engine) -> dict:
     return {"mask_token_id": engine.mask_token_id, "algorithm_config": dict(vars(engine.algorithm.config)),
             "fold_commit_forward": engine.runner.greedy_spec.fold_commit, "chain_blocks": engine.runner.chain,
@@ -108,20 +113,18 @@ def build_canvases(engine, loaded, o, channel):
     if o.algorithm not in (None, renoise.NAME):
         raise ValueError(f"algorithm: {o.algorithm!r} does not decode {cfg.architecture}; it decodes with "
                          f"{renoise.NAME} (uniform-noise canvases, no mask token)")
-    if o.tensor_parallel_size * o.expert_parallel_size > 1:
-        raise ValueError("tensor_parallel_size / expert_parallel_size: serving DiffusionGemma on a mesh is not "
-                         "built yet (its sharding rules are in the parameter table; the serving path is "
-                         "single-device)")
     engine.rcfg = engine.algorithm = renoise.renoise_config(o.algorithm_config, renoise_defaults(engine.model_path))
     engine.algorithm_name = renoise.NAME
+    mesh = _mesh(engine, o)
     C, S = engine.block_size, CANVAS_PAGE_SIZE
     chunk = max(C, o.max_prefill_tokens)
     window = cfg.sliding_window if any(cfg.is_sliding_layer(i) for i in range(cfg.num_layers)) else None
     per_row = (-(-(window - 1 + chunk) // S) + 2) if window else 1
     cached_windows = -(-(window - 1) // S) + 1 if window else 0  # room for as many cached prefixes' windows
     sliding_pages = o.max_running_requests * (per_row + cached_windows) + 1
-    sliding_bytes = sliding_pages * kv_bytes_per_page(cfg, S, o.dtype, sliding=True)
-    full_page = kv_bytes_per_page(cfg, S, o.dtype, sliding=False)
+    # what one device holds of a page (a mesh splits each layer's KV heads when they divide)
+    sliding_bytes = sliding_pages * _page_bytes(cfg, S, o.dtype, mesh, sliding=True)
+    full_page = _page_bytes(cfg, S, o.dtype, mesh, sliding=False)
     device = jax.devices()[0]
     free = None
     if o.num_kv_pages is None:
@@ -134,15 +137,20 @@ def build_canvases(engine, loaded, o, channel):
                                 f"{sliding_pages:,} pages ({human(sliding_bytes)})")
     engine.num_kv_pages = budget.num_pages
     log.info("%s", engine.kv_budget.describe(engine.context_length))
-    engine.tensor_parallel_size, engine.expert_parallel_size, engine.mesh = 1, 1, None
-    vision = _load_vision(engine, cfg, o.dtype)
+    if channel is None:
+        from dllm_jax.distributed import default_channel
+
+        channel = default_channel()
+    # (several processes: the text model only, images a 400 -- the tower's inputs do not travel to followers yet)
+    vision = _load_vision(engine, cfg, o.dtype) if channel is None else None
     engine.runner = RenoiseRunner(loaded.params, cfg, engine.rcfg,
                                   num_pages={FULL_KIND: budget.num_pages, SLIDING_KIND: sliding_pages},
                                   page_size=S, max_rows=o.max_running_requests,
                                   max_pages_per_row=-(-engine.context_length // S), max_chunk=chunk,
                                   first_finish=o.schedule != "sync", backend=engine.confidence_backend,
                                   dtype=o.dtype, vision=vision,
-                                  vision_patches=engine.images.max_patches if vision else 0)
+                                  vision_patches=engine.images.max_patches if vision else 0, mesh=mesh,
+                                  channel=channel)
     engine.output = Output(engine.tokenizer, block_size=C, mask_token_id=None)
     policy = Canvases(engine.runner, canvas=C, window=window, max_running_requests=o.max_running_requests,
                       max_steps_per_call=o.max_steps_per_call or 1 << 30, max_prefill_tokens=chunk,
@@ -153,8 +161,17 @@ def build_canvases(engine, loaded, o, channel):
     engine.family_info = lambda: {
         "family": family_of(cfg).name, "canvas_length": engine.block_size,
         "algorithm_config": renoise.config_dict(engine.rcfg), "kv_page_size": S,
-        "sliding_window": cfg.sliding_window, "num_sliding_kv_pages": engine.runner.num_pages[SLIDING_KIND]}
+        "sliding_window": cfg.sliding_window, "num_sliding_kv_pages": engine.runner.num_pages[SLIDING_KIND],
+        "tensor_parallel_size": engine.tensor_parallel_size, "expert_parallel_size": engine.expert_parallel_size}
     return channel
+
+
+def _page_bytes(cfg, page_size: int, dtype, mesh, *, sliding: bool) -> int:
+    if mesh is None:
+        return kv_bytes_per_page(cfg, page_size, dtype, sliding=sliding)
+    from dllm_jax.plan import kv_page_bytes_per_device
+
+    return kv_page_bytes_per_device(cfg, page_size, dtype, mesh, sliding=sliding)
 
 
 def _load_vision(engine, cfg, dtype):

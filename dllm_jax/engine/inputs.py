@@ -66,10 +66,27 @@ class RequestInputs:
             if not isinstance(rid, str) or not rid or len(rid) > MAX_RID_CHARS:
                 raise ValueError(f"rid: must be a non-empty string of at most {MAX_RID_CHARS} characters")
             check_text(rid, "rid")
+        grammar = self.compile_grammar(params) if params.grammar is not None else None
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2 ** 32))
         return Request(rid=rid or uuid.uuid4().hex, prompt_ids=list(map(int, input_ids)), params=params,
                        seed=seed, on_event=on_event, provisional=provisional, stream=stream or provisional,
-                       images=images, image_spans=spans, prompt_keys=keys)
+                       grammar=grammar, images=images, image_spans=spans, prompt_keys=keys)
+
+    def compile_grammar(self, params: SamplingParams, field_prefix: str = "sampling_params"):
+        """The request's grammar state (:mod:`dllm_jax.engine.grammar`); a ValueError naming the field with the
+        grammar engine's reason when it cannot be used. The compiler (the tokenizer as llguidance reads it) is
+        built at the first constrained request."""
+        from dllm_jax.engine.grammar import GrammarCompiler, GrammarSpec
+
+        name, text = params.grammar
+        if self.tokenizer is None:
+            raise ValueError(f"{field_prefix}.{name}: structured output needs a tokenizer; this model has none")
+        compiler = getattr(self, "_grammar_compiler", None)
+        if compiler is None:
+            compiler = self._grammar_compiler = GrammarCompiler(
+                self.tokenizer, vocab_size=self.config.vocab_size, eos_token_ids=tuple(self.config.eos_token_ids),
+                mask_id=self.config.mask_token_id)
+        return compiler.compile(GrammarSpec(name, text, f"{field_prefix}.{name}"))
 
     def _sampling_params(self, sampling_params) -> SamplingParams:
         """Validated params over the model's defaults. Requests often share their params (a client's fixed

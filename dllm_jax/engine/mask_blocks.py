@@ -159,7 +159,10 @@ class MaskBlocks(MaskCommit):
         remaining = {id(r): r.real_len // B - len(r.pages) for r in reqs}
         reqs = sorted(reqs, key=lambda r: -remaining[id(r)])  # similar chunk lengths share a call
         chunk = self.runner.prefill_chunk(min(remaining[id(reqs[0])], budget))
-        max_rows = self.runner.max_prefill_rows(chunk)
+        fit = self.runner.prefill_fit(chunk, min(len(reqs), self.runner.max_prefill_rows(chunk)))
+        if fit is None:
+            return None  # its bucket compiles (a staged warm-up): the requests wait for it
+        chunk, max_rows = fit
         allocated: list[tuple[Request, list[int]]] = []
         for req in reqs[:max_rows]:
             if req.phase is not Phase.PREFILL:
@@ -202,6 +205,9 @@ class MaskBlocks(MaskCommit):
         immutable[:n_imm] = True
         req.block_tokens, req.block_immutable, req.block_page = tokens, immutable, pages[0]
         req.block_steps, req.algo_state = 0, None
+        if req.grammar is not None:  # (a retracted request restarts its block: the grammar forgets its tokens)
+            req.grammar.new_block()
+            req.block_tokens, _ = req.grammar.check_block(tokens, immutable, self.mask_id)  # forced text in
         k = req.params.logprobs
         if k >= 0:
             req.block_logprob = np.zeros((B,), np.float32)
@@ -234,10 +240,11 @@ class MaskBlocks(MaskCommit):
         rows = [DecodeRow(tokens=r.stale_tokens, prefix_pages=r.pages[:-1], write_page=r.pages[-1], refresh=True)
                 for r in refresh]
         rows += [DecodeRow(tokens=r.block_tokens, immutable=r.block_immutable, prefix_pages=r.pages,
-                           write_page=r.block_page, steps_taken=r.block_steps, temperature=r.params.temperature,
+                           write_page=r.block_page, steps_taken=self._steps_taken(r),
+                           temperature=r.params.temperature,
                            top_k=r.params.top_k, top_p=r.params.top_p, seed=r.seed,
                            rng_step=self._rng_step(r), algo_state=r.algo_state, logprobs=r.params.logprobs,
-                           penalty=self._penalty_row(r), chain_pages=chain_pages.get(id(r), []),
+                           penalty=self._penalty_row(r), grammar=r.grammar, chain_pages=chain_pages.get(id(r), []),
                            stop_ids=tuple(sorted(self.s.stop_set(r))) if id(r) in chain_pages else ()) for r in reqs]
         return DenoiseCall(refresh=refresh, reqs=reqs, rows=rows, loop_cap=loop_cap, chain_pages=chain_pages)
 
@@ -256,36 +263,40 @@ class MaskBlocks(MaskCommit):
         key = self._call_key(reqs, refresh)
         if not compiler.compiles_in_background(key):
             return reqs
-        compiler.compile_soon(key)
         best: list[Request] = []
         for need in {self._need(r) for r in reqs}:
             group = [r for r in reqs if all(a or not b for a, b in zip(need, self._need(r)))]  # needs within
-            if len(group) > len(best) and not compiler.compiles_in_background(
-                    self._call_key(group, refresh)):
+            while group and compiler.compiles_in_background(self._call_key(group, refresh, ask=False)):
+                group = group[:len(group) // 2]  # fewer rows, in a smaller row bucket (a staged warm-up's)
+            if len(group) > len(best):
                 best = group
         return best
 
     @staticmethod
-    def _need(req: Request) -> tuple[bool, bool, bool, bool]:
-        """What a request's row asks of the step: sampling, penalties, log probabilities, top alternatives."""
+    def _need(req: Request) -> tuple[bool, bool, bool, bool, bool]:
+        """What a request's row asks of the step: sampling, penalties, log probabilities, top alternatives, a
+        grammar."""
         p = req.params
-        return (not p.greedy, p.penalized, p.logprobs >= 0, p.logprobs > 0)
+        return (not p.greedy, p.penalized, p.logprobs >= 0, p.logprobs > 0, req.grammar is not None)
 
-    def _call_key(self, reqs: list[Request], refresh: list[Request], chain_pages: dict | None = None) -> tuple:
-        """The runner's key for a denoise call over these rows (see ``ModelRunner.denoise_key``)."""
+    def _call_key(self, reqs: list[Request], refresh: list[Request], chain_pages: dict | None = None,
+                  ask: bool = True) -> tuple:
+        """The runner's key for a denoise call over these rows (see ``ModelRunner.denoise_key``; ``ask``: a key
+        not compiled yet is asked for)."""
         needs = [self._need(r) for r in reqs]
         pages = max([len(r.pages) - 1 for r in refresh]
                     + [len(r.pages) + len((chain_pages or {}).get(id(r), ())) for r in reqs], default=1)
         return self.runner.denoise_key(len(reqs) + len(refresh), pages, sampling=any(n[0] for n in needs),
                                        penalties=any(n[1] for n in needs), logprobs=any(n[2] for n in needs),
-                                       top=any(n[3] for n in needs))
+                                       top=any(n[3] for n in needs), grammar=any(n[4] for n in needs), ask=ask)
 
     def _loop_cap(self, reqs: list[Request], refresh: list[Request]) -> int:
         """FDFO: how many steps the call may run on the device before the batch comes back (it stops anyway when
         the first row is done). One when the batch should change sooner: a waiting request could join now, a
         running one is still prefilling, a row streams its provisional block after every step, or refresh rows
-        ride along (they would be recomputed at every further step)."""
-        if (refresh or any(r.provisional for r in reqs)
+        ride along (they would be recomputed at every further step), or a row is constrained (its next mask
+        depends on this step's tokens)."""
+        if (refresh or any(r.provisional or r.grammar is not None for r in reqs)
                 or (self.s.waiting and len(self.s.running) < self.s.max_running)
                 or any(r.phase is Phase.PREFILL for r in self.s.running)):
             return 1
@@ -303,6 +314,14 @@ class MaskBlocks(MaskCommit):
         return PenaltyRow(history=req.real_ids, prompt_len=len(req.prompt_ids), presence=p.presence_penalty,
                           frequency=p.frequency_penalty, repetition=p.repetition_penalty, min_new=p.min_new_tokens,
                           bias=p.logit_bias, stop_ids=stops)
+
+    def _steps_taken(self, req: Request) -> int:
+        """The forwards already spent on the block, as the step's safety net counts them; for a constrained row its
+        decided positions instead (the host may take tokens back, so its forwards are no measure of progress, and
+        every step decides its frontier: the net never fires)."""
+        if req.grammar is None:
+            return req.block_steps
+        return int(np.count_nonzero((req.block_tokens != self.mask_id) & ~req.block_immutable))
 
     def _rng_step(self, req: Request) -> int:
         """Where this step sits in the request's generation (block index, step in block): folded into the sampling

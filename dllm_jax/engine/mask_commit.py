@@ -73,10 +73,18 @@ class MaskCommit:
         steps = int(out.steps[i])
         req.forward_passes += steps
         req.block_steps += steps
-        if out.done[i]:
-            self._commit_block(req, out.tokens[i], fresh_kv=bool(out.fresh_kv[i]))
+        tokens, done, state = out.tokens[i], bool(out.done[i]), out.states[i]
+        fresh_kv = bool(out.fresh_kv[i])
+        if req.grammar is not None:  # what the grammar does not allow goes back to masks (engine/grammar.py)
+            tokens, taken_back = req.grammar.check_block(tokens, req.block_immutable, self.mask_id)
+            if req.grammar.stopped:  # it took an EOS: the answer ends in this block, whatever follows the EOS
+                done, fresh_kv = True, done and fresh_kv
+            elif taken_back:
+                done, state = False, None  # (the algorithm starts over on the block's remaining masks)
+        if done:
+            self._commit_block(req, tokens, fresh_kv=fresh_kv)
         else:
-            req.block_tokens, req.algo_state = out.tokens[i], out.states[i]
+            req.block_tokens, req.algo_state = tokens, state
             if req.provisional:
                 self.s.emit(req, PROVISIONAL)
 
@@ -115,6 +123,8 @@ class MaskCommit:
         n_imm = int(np.count_nonzero(req.block_immutable))
         new = tokens[n_imm:].tolist()
         before = len(req.output_ids)
+        if req.grammar is not None:
+            req.grammar.block_committed()
         finish = self.s.append_outputs(req, new)
         if req.params.logprobs >= 0:
             self._append_logprobs(req, n_imm, before)
@@ -158,7 +168,7 @@ class MaskCommit:
         history) or when its stop ids do not fit the device's table; else as many as ``max_new_tokens`` and the
         context length leave room for, at most the runner's chain width."""
         p = req.params
-        if (req.stream or req.provisional or p.stop or p.logprobs >= 0 or p.penalized
+        if (req.stream or req.provisional or p.stop or p.logprobs >= 0 or p.penalized or req.grammar is not None
                 or req.block_immutable is None or len(self.s.stop_set(req)) > CHAIN_STOP_IDS):
             return 0
         B = self.B

@@ -18,6 +18,14 @@ Warm-up compiles every denoise rows x width, encodes of one row at every chunk i
 or its chunks), and encodes of 2, 4, ... rows of one canvas each (finished canvases, encoded together). Any other
 encode shape (several prompts at once) compiles on the compiler's background thread while the scheduler encodes
 the requests one at a time (:meth:`encode_key`, :class:`~dllm_jax.engine.compilation.Compiler`).
+
+Tensor / expert parallel (``mesh``): the parameters split by the parameter table's logical axes
+(:mod:`dllm_jax.sharding`: attention by head, MLPs by their intermediate dimension, experts over ``expert``, the
+embedding -- which is also the tied LM head -- by vocabulary), each layer's pool by its own KV heads when they
+divide, the row state replicated (it is small: ``[C, H]`` per row). The vocabulary pass runs per vocabulary shard
+and merges the shards' partials (:func:`dllm_jax.decode.renoise.vocab_parallel_stats`). Several processes
+(``channel``): the leader sends every call's padded inputs (a header ``[kind, rows, width, extra]``, then the
+arrays, as the mask runner does) before running it; each follower's :meth:`follow` runs the same call.
 """
 
 from __future__ import annotations
@@ -78,6 +86,9 @@ class DenoiseResult:
 
 
 MIN_CHUNK = 16  # the smallest encode chunk (tokens per row)
+KIND_STOP, KIND_ENCODE, KIND_DENOISE = 0, 1, 2  # header kinds (0 stops the followers, as the mask runner's)
+VARIANT_PENALTIES, VARIANT_TOP = 4, 8  # bits of a denoise header's kind
+_ADJUST_DTYPES = (np.int32, np.float32, np.float32, np.int32)  # renoise_tables.FIELDS
 
 
 class EncodeKey(NamedTuple):
@@ -101,33 +112,52 @@ class CanvasKey(NamedTuple):
 
 
 class RenoiseRunner:
-    channel = None  # single process (multi-process serving of this family is not built)
-
     def __init__(self, params, cfg: ModelConfig, rcfg: renoise.RenoiseConfig, *, num_pages: dict, page_size: int,
                  max_rows: int, max_pages_per_row: int, max_chunk: int, first_finish: bool = True,
-                 backend: str = "xla", dtype=jnp.float32, vision=None, vision_patches: int = 0):
+                 backend: str = "xla", dtype=jnp.float32, vision=None, vision_patches: int = 0, mesh=None,
+                 channel=None):
         self.params, self.cfg, self.rcfg = params, cfg, rcfg
         self.vision = vision  # (tower params, VisionConfig) of a checkpoint served with images, else None
         self.vision_patches = vision_patches  # patches per image (the image processor's budget)
+        self.mesh, self.channel = mesh, channel  # channel: multi-process, how the leader's calls reach followers
+        self.device_calls = 0
         self.page_size, self.max_rows, self.dtype = page_size, max_rows, jnp.dtype(dtype)
         self.first_finish = first_finish
         self.widths = pow2_buckets(max_pages_per_row)
         self.chunks = tuple(c for c in pow2_buckets(max(MIN_CHUNK, max_chunk)) if c >= MIN_CHUNK)
         self.rows = pow2_buckets(max_rows)
         self.slot_rows = tuple(sorted({min(r, max_rows) for r in self.rows}))  # denoise rows (the state's slots)
-        self.compiler = Compiler(self._lower)
+        self.compiler = Compiler(self._lower, background=channel is None)
         self.num_pages = dict(num_pages)
-        self.pool = gemma.init_kv_pages(cfg, num_pages, page_size, self.dtype)
+        self.table_kinds = tuple(sorted(self.num_pages))  # the page tables' order on the wire
+        new_pool = functools.partial(gemma.init_kv_pages, cfg, self.num_pages, page_size, self.dtype)
         zeros = jnp.zeros((max_rows,), jnp.uint32)
         state = renoise.initial_state(cfg, rcfg, zeros, zeros.astype(jnp.int32), self.dtype)._replace(
             finished=jnp.ones((max_rows,), bool))
-        self.state = jax.tree.map(lambda a: jnp.array(a, copy=True), state)  # own buffers: the state is donated
+        state = jax.tree.map(lambda a: jnp.array(a, copy=True), state)  # own buffers: the state is donated
+        encode_kw, denoise_kw = {}, {}
+        if mesh is None:
+            self.pool, self.state = new_pool(), state
+        else:
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            from dllm_jax.sharding import layer_pool_shardings, shard_params
+
+            self.params = shard_params(params, cfg, mesh)
+            pool_shardings = layer_pool_shardings(jax.eval_shape(new_pool), mesh)
+            self.pool = jax.jit(new_pool, out_shardings=pool_shardings)()  # each device allocates its shard only
+            replicated = NamedSharding(mesh, PartitionSpec())
+            self.state = jax.device_put(state, replicated)
+            # fixed output shardings: the donated pool and state come back as they went in (no re-layout, no
+            # recompile), and every process can read the replicated results
+            encode_kw, denoise_kw = dict(out_shardings=pool_shardings), dict(out_shardings=replicated)
         self.calls = {"encode": 0, "denoise": 0, "steps": 0}
-        self._encode = jax.jit(functools.partial(gemma.encode_chunk, cfg=cfg), donate_argnames="kv_pages")
-        if vision is not None:
+        self._encode = jax.jit(functools.partial(gemma.encode_chunk, cfg=cfg), donate_argnames="kv_pages",
+                               **encode_kw)
+        if vision is not None:  # (the tower runs on one device; its features join the mesh replicated)
             self._vision = jax.jit(functools.partial(vision_model.image_features, vcfg=vision[1]))
-        self._denoise = jax.jit(functools.partial(_denoise_loop, cfg=cfg, rcfg=rcfg, backend=backend),
-                                donate_argnames="state", static_argnames=("first_finish", "top_k"))
+        self._denoise = jax.jit(functools.partial(_denoise_loop, cfg=cfg, rcfg=rcfg, backend=backend, mesh=mesh),
+                                donate_argnames="state", static_argnames=("first_finish", "top_k"), **denoise_kw)
 
     # -- shapes -----------------------------------------------------------------------------------
     def encode_key(self, rows: int, longest: int, width: int) -> EncodeKey:
@@ -158,11 +188,28 @@ class RenoiseRunner:
             keys.append(VisionKey("vision", 1))
         return keys
 
-    def num_buckets(self, **variants) -> int:
+    def num_buckets(self, background: bool = False, **variants) -> int:
         return len(self.buckets(**variants))
 
-    def warmup(self, *, on_bucket=None, **variants) -> int:
-        return self.compiler.warmup(self.buckets(**variants), on_key=on_bucket)
+    def warmup(self, *, on_bucket=None, background: bool = False, **variants) -> int:
+        """Compile every bucket now (``background`` is accepted and ignored: no staged warm-up for canvases); with
+        followers, run each bucket's padding call instead (every process compiles it now, in step, not inside a
+        later collective)."""
+        run = self._run_padding if self.channel is not None else None
+        return self.compiler.warmup(self.buckets(**variants), run=run, on_key=on_bucket)
+
+    def _run_padding(self, key) -> None:
+        """A call of bucket ``key`` that changes nothing: encode rows of no real token (they write to the trash
+        page), or a denoise call with no live slot (every slot held as it is)."""
+        if key.kind == "encode":
+            header = [KIND_ENCODE, key.rows, key.width, key.chunk]
+        else:
+            adjust = self.adjust_width(key.width) if key.penalties else 0
+            kind = KIND_DENOISE | (VARIANT_PENALTIES if key.penalties else 0) | (VARIANT_TOP if key.top else 0)
+            header = [kind, key.rows, key.width, adjust]
+        header = np.asarray(header, np.int32)
+        self._execute(header, self._template(header))
+        self.compiler.ran(key)
 
     def _lower(self, key):
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
@@ -186,7 +233,61 @@ class RenoiseRunner:
                                    adjust, first_finish=self.first_finish, top_k=MAX_TOP_LOGPROBS if key.top else 0)
 
     def stop_followers(self) -> None:
-        return None
+        if self.channel is not None:
+            self.channel.send(np.asarray([KIND_STOP, 0, 0, 0], np.int32), {})
+
+    def follow(self) -> int:
+        """Follower loop (every process but the leader): run each call the leader sends until it stops. Returns
+        the number of calls run."""
+        calls = 0
+        while True:
+            header, arrays = self.channel.recv(self._template)
+            if int(header[0]) == KIND_STOP:
+                return calls
+            channel, self.channel = self.channel, None
+            try:
+                self._execute(np.asarray(header), arrays)
+                jax.block_until_ready(self.state if int(header[0]) & 3 == KIND_DENOISE else self.pool)
+            finally:
+                self.channel = channel
+            calls += 1
+
+    def _template(self, header) -> dict[str, np.ndarray]:
+        """Zero arrays shaped like a call's inputs (the wire format; every array int32: seeds as their bits,
+        flags as 0 / 1, the adjustment tables' floats as their bits)."""
+        kind, rows, width, extra = (int(x) for x in header)
+        i32 = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        tables = {f"table_{k}": i32(rows, width) for k in self.table_kinds}
+        if kind == KIND_ENCODE:
+            return {"tokens": i32(rows, extra), "prefix_len": i32(rows), "num_tokens": i32(rows), **tables}
+        out = {"start": i32(rows), "live": i32(rows), "seeds": i32(rows), "canvas_index": i32(rows),
+               "prefix_len": i32(rows), "max_steps": i32(1), **tables}
+        if kind & VARIANT_PENALTIES:
+            out.update({f"adjust_{f}": i32(rows, extra) for f in renoise_tables.FIELDS})
+        return out
+
+    def _execute(self, header: np.ndarray, arrays: dict[str, np.ndarray]):
+        """Run one call from its wire form (the leader sends it to the followers first). Returns the denoise
+        call's per-row step counts (a device array), or None for an encode."""
+        if self.channel is not None:
+            self.channel.send(header, arrays)
+        kind = int(header[0])
+        tables = {k: arrays[f"table_{k}"] for k in self.table_kinds}
+        self.device_calls += 1
+        if kind == KIND_ENCODE:
+            self.pool = self._encode(self.params, tokens=arrays["tokens"], prefix_len=arrays["prefix_len"],
+                                     num_tokens=arrays["num_tokens"], kv_pages=self.pool, page_tables=tables)
+            return None
+        adjust = None
+        if kind & VARIANT_PENALTIES:
+            adjust = renoise.Adjust(*(arrays[f"adjust_{f}"].view(dt)
+                                      for f, dt in zip(renoise_tables.FIELDS, _ADJUST_DTYPES)))
+        self.state, steps = self._denoise(
+            self.params, self.state, arrays["start"].astype(bool), arrays["live"].astype(bool),
+            arrays["seeds"].view(np.uint32), arrays["canvas_index"], arrays["prefix_len"], self.pool, tables,
+            arrays["max_steps"][0], adjust, first_finish=self.first_finish,
+            top_k=MAX_TOP_LOGPROBS if kind & VARIANT_TOP else 0)
+        return steps
 
     def pool_lost(self) -> bool:
         return any(a.is_deleted() for layer in self.pool for a in layer)
@@ -219,13 +320,18 @@ class RenoiseRunner:
         for i, (toks, start) in enumerate(zip(call.tokens, call.starts)):
             tokens[i, :len(toks)], counts[i], starts[i] = toks, len(toks), start
         tables = {k: _pad(v, rows, key.width) for k, v in call.tables.items()}
-        # (an encode with images compiles its own executables, per image-count bucket; a text encode passes no
-        # images argument at all: the executables warm-up lowered)
-        extra = {"images": self._image_inputs(call, rows, chunk)} if call.images and any(call.images) else {}
-        self.pool = self._encode(self.params, tokens=jnp.asarray(tokens), prefix_len=jnp.asarray(starts),
-                                 num_tokens=jnp.asarray(counts), kv_pages=self.pool,
-                                 page_tables={k: jnp.asarray(v) for k, v in tables.items()}, **extra)
-        if not extra:
+        if call.images and any(call.images):
+            # (an encode with images compiles its own executables, per image-count bucket; a text encode passes no
+            # images argument at all: the executables warm-up lowered. Never sent to followers: a multi-process
+            # engine loads no vision tower, dllm_jax/engine/families.py)
+            images = self._image_inputs(call, rows, chunk)
+            self.pool = self._encode(self.params, tokens=tokens, prefix_len=starts, num_tokens=counts,
+                                     kv_pages=self.pool, page_tables=tables, images=images)
+            self.device_calls += 1
+        else:
+            self._execute(np.asarray([KIND_ENCODE, rows, key.width, chunk], np.int32),
+                          {"tokens": tokens, "prefix_len": starts, "num_tokens": counts,
+                           **{f"table_{k}": v for k, v in tables.items()}})
             self.compiler.ran(key)
         self.calls["encode"] += 1
 
@@ -238,26 +344,35 @@ class RenoiseRunner:
         self.compiler.ran(VisionKey("vision", len(pixels)))
         index, group = vision_model.placement(rows, chunk, features.shape[1], call.images, slots,
                                               vcfg.bidirectional)
-        return features.reshape(-1, features.shape[-1]), jnp.asarray(index), jnp.asarray(group)
+        out = features.reshape(-1, features.shape[-1]), jnp.asarray(index), jnp.asarray(group)
+        if self.mesh is not None:  # the tower ran on one device: its results join the mesh, replicated
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            out = jax.device_put(out, NamedSharding(self.mesh, PartitionSpec()))
+        return out
 
     def denoise(self, call: DenoiseCall) -> DenoiseResult:
         return self._collect_denoise(self._dispatch_denoise(call))
 
     def _dispatch_denoise(self, call: DenoiseCall):
-        rows = len(call.live)
-        start = np.zeros(rows, bool)
-        start[call.start_slots] = True
-        key = self.canvas_key(next(iter(call.tables.values())).shape[1], call.adjust is not None, call.top, rows)
-        assert key.rows == rows, f"a denoise call of {rows} rows (not a bucket: {self.slot_rows})"
-        adjust = None
+        R = len(call.live)  # the call's first slots (RenoiseRunner.denoise_rows)
+        start = np.zeros(R, np.int32)
+        start[call.start_slots] = 1
+        key = self.canvas_key(next(iter(call.tables.values())).shape[1], call.adjust is not None, call.top, R)
+        assert key.rows == R, f"a denoise call of {R} rows (not a bucket: {self.slot_rows})"
+        arrays = {"start": start, "live": np.asarray(call.live, np.int32),
+                  "seeds": np.asarray(call.seeds, np.uint32).view(np.int32),
+                  "canvas_index": np.asarray(call.canvas_index, np.int32),
+                  "prefix_len": np.asarray(call.prefix_len, np.int32),
+                  "max_steps": np.asarray([call.max_steps], np.int32),
+                  **{f"table_{k}": _pad(v, R, key.width) for k, v in call.tables.items()}}
+        width = 0
         if call.adjust is not None:
-            adjust = renoise.Adjust(*(jnp.asarray(call.adjust[f]) for f in renoise_tables.FIELDS))
-        self.state, steps = self._denoise(
-            self.params, self.state, jnp.asarray(start), jnp.asarray(call.live), jnp.asarray(call.seeds),
-            jnp.asarray(call.canvas_index), jnp.asarray(call.prefix_len), self.pool,
-            {k: jnp.asarray(_pad(v, rows, key.width)) for k, v in call.tables.items()},
-            jnp.int32(call.max_steps), adjust, first_finish=self.first_finish,
-            top_k=MAX_TOP_LOGPROBS if call.top else 0)
+            for f, dt in zip(renoise_tables.FIELDS, _ADJUST_DTYPES):
+                arrays[f"adjust_{f}"] = np.ascontiguousarray(call.adjust[f], dt).view(np.int32)
+            width = arrays[f"adjust_{renoise_tables.FIELDS[0]}"].shape[1]
+        kind = KIND_DENOISE | (VARIANT_PENALTIES if call.adjust is not None else 0) | (VARIANT_TOP if call.top else 0)
+        steps = self._execute(np.asarray([kind, R, key.width, width], np.int32), arrays)
         self.compiler.ran(key)
         return steps, call.top
 
@@ -265,8 +380,10 @@ class RenoiseRunner:
         steps, top = pending
         s = self.state
         tops = (s.top_logprob, s.top_ids) if top else ()
-        finished, argmax, logprob, steps, entropy, *tops = jax.device_get(
-            (s.finished, s.argmax, s.logprob, steps, s.entropy, *tops))  # one transfer
+        fields = (s.finished, s.argmax, s.logprob, steps, s.entropy, *tops)
+        # one transfer; with several processes each reads its own replica (device_get reads whole arrays)
+        finished, argmax, logprob, steps, entropy, *tops = (
+            jax.device_get(fields) if self.channel is None else [np.asarray(x) for x in fields])
         top_lp, top_ids = tops if top else (None, None)
         self.calls["denoise"] += 1
         self.calls["steps"] += int(steps.max(initial=0))
@@ -282,7 +399,7 @@ def _pad(table: np.ndarray, rows: int, width: int) -> np.ndarray:
 
 
 def _denoise_loop(params, state, start, live, seeds, canvas_index, prefix_len, kv_pages, page_tables, max_steps,
-                  adjust=None, *, cfg, rcfg, backend, first_finish, top_k=0):
+                  adjust=None, *, cfg, rcfg, backend, first_finish, top_k=0, mesh=None):
     """Start the canvases of ``start`` slots, then run steps until a live row finishes (``first_finish``) or all
     live rows have, at most ``max_steps``. Slots not ``live`` are held finished (they do not change). ``adjust`` /
     ``top_k``: the penalty and top-k variants (:func:`dllm_jax.decode.renoise.denoise_step`).
@@ -308,7 +425,7 @@ def _denoise_loop(params, state, start, live, seeds, canvas_index, prefix_len, k
         st, i, steps = carry
         steps = steps + (~st.finished).astype(jnp.int32)
         st = renoise.denoise_step(params, cfg, rcfg, st, seeds, canvas_index, prefix_len, kv_pages, page_tables,
-                                  backend=backend, adjust=adjust, top_k=top_k)
+                                  backend=backend, adjust=adjust, top_k=top_k, mesh=mesh)
         return st, i + 1, steps
 
     state, _, steps = jax.lax.while_loop(cond, body, (state, jnp.int32(0), jnp.zeros_like(prefix_len)))

@@ -31,6 +31,8 @@ class Request:
     # A streamed request: each committed block goes out as it is done (the scheduler never chains its blocks).
     stream: bool = False
     arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
+    # Structured output: the request's grammar state (dllm_jax/engine/grammar.py RowGrammar), or None.
+    grammar: Any = None
     # Images in the prompt (DiffusionGemma; dllm_jax/engine/images.py): the prepared images, their spans of image
     # tokens in prompt_ids (first position, count, image), and the prompt's prefix-cache keys (image tokens keyed
     # by their image's digest). Empty / None: a text prompt, keyed by its ids.

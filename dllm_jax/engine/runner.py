@@ -20,13 +20,14 @@ from dllm_jax.decode.algorithms import Algorithm
 from dllm_jax.engine.weight_sync import KIND_WEIGHTS, apply_received, update_template
 from dllm_jax.decode.packing import RowLayout
 from dllm_jax.decode import rows as row_schema
-from dllm_jax.engine.calls import (ROW_ATTRIBUTES, DecodeOutput, DecodeRow, DenoiseCall, PenaltyRow, Pending,
-                                   PrefillCall, PrefillRow, RowError, fill_penalties)
+from dllm_jax.engine.calls import (UNCONSTRAINED, ROW_ATTRIBUTES, DecodeOutput, DecodeRow, DenoiseCall, PenaltyRow,
+                                   Pending, PrefillCall, PrefillRow, RowError, fill_grammar, fill_penalties)
 from dllm_jax.decode.step import (CHAIN_STOP_IDS, PENALTY_PREFIX, STATE_PREFIX, StepSpec, denoise_packed,
                                    init_kv_pages, prefill)
 from dllm_jax.cache.pages import TRASH_PAGE
-from dllm_jax.engine.compilation import (VARIANT_LOGPROBS, VARIANT_PENALTIES, VARIANT_TOP, Compiler, DenoiseKey,
-                                         PrefillKey, ShapeBuckets, bucket_keys, pick_bucket, variants_for)
+from dllm_jax.engine.compilation import (VARIANT_GRAMMAR, VARIANT_LOGPROBS, VARIANT_PENALTIES, VARIANT_TOP, Compiler,
+                                         DenoiseKey, PrefillKey, ShapeBuckets, bucket_keys, fit_key, pick_bucket,
+                                         prefill_fit, staged_keys, variants_for)
 from dllm_jax.engine.sampling import MAX_TOP_LOGPROBS
 
 
@@ -113,8 +114,8 @@ class ModelRunner:
         self._result_layouts = {chain: row_schema.result_layout(row_schema.Dims(block_size, C=self.chain),
                                                                 self._fresh_state, chain=chain)
                                 for chain in (False, True)}
-        self._layouts: dict[tuple[int, bool, bool], RowLayout] = {}
-        self._staged: dict[tuple[int, bool, bool, int], tuple] = {}  # see _staging
+        self._layouts: dict[tuple, RowLayout] = {}
+        self._staged: dict[tuple, tuple] = {}  # see _staging
         self.device_calls = 0
         self.compiler = Compiler(self._lower, background=channel is None)
         # When a list (the efficiency bench sets one), every call appends a CallRecord: its bucket and how much
@@ -147,7 +148,7 @@ class ModelRunner:
             self.device_calls += 1
             return None
         chain = shape[0] in self.chain_rows
-        layout = self.denoise_layout(shape[1], bool(variant & VARIANT_PENALTIES), chain)
+        layout = self._layout_of(shape[1], variant, chain)
         rows = arrays["rows"]
         sampling = bool(np.any((layout.view(rows, "temperature") > 0) & (layout.view(rows, "top_k") != 1)))
         spec = self.denoise_spec(sampling, variant, chain)
@@ -160,29 +161,29 @@ class ModelRunner:
         """Whether a denoise call of ``rows`` rows runs the chaining step (its row bucket is in ``chain_rows``)."""
         return pick_bucket(rows, self.row_buckets) in self.chain_rows
 
-    def denoise_layout(self, width: int, penalties: bool, chain: bool = False) -> RowLayout:
-        """The packed per-row inputs of a denoise call with a ``width``-page table (:mod:`dllm_jax.decode.rows`);
-        ``chain``: with the chaining tables."""
-        key = (width, penalties, chain)
+    def denoise_layout(self, width: int, penalties: bool, chain: bool = False, grammar: bool = False) -> RowLayout:
+        """A denoise call's packed per-row inputs (:mod:`dllm_jax.decode.rows`), with the tables asked for."""
+        key = (width, penalties, chain, grammar)
         if key not in self._layouts:
-            self._layouts[key] = row_schema.layout(self._input_fields(penalties, chain), self._dims(width))
+            self._layouts[key] = row_schema.layout(self._input_fields(penalties, chain, grammar), self._dims(width))
         return self._layouts[key]
 
+    def _layout_of(self, width: int, variant: int, chain: bool) -> RowLayout:  # (``variant``: VARIANT_* bits)
+        return self.denoise_layout(width, bool(variant & VARIANT_PENALTIES), chain, bool(variant & VARIANT_GRAMMAR))
     def _dims(self, width: int) -> row_schema.Dims:
-        return row_schema.Dims(self.block_size, W=width, C=self.chain)
+        return row_schema.Dims(self.block_size, W=width, C=self.chain, G=(self.cfg.vocab_size + 31) // 32)
 
-    def _input_fields(self, penalties: bool, chain: bool) -> tuple:
-        return row_schema.input_fields(self._dims(1), self._fresh_state, penalties=penalties, chain=chain)
+    def _input_fields(self, penalties: bool, chain: bool, grammar: bool = False) -> tuple:
+        return row_schema.input_fields(self._dims(1), self._fresh_state, penalties=penalties, chain=chain,
+                                       grammar=grammar)
 
-    def _staging(self, width: int, penalties: bool, chain: bool, rows: int):
-        """For a call of ``rows`` rows of ``denoise_layout(width, penalties, chain)``: its padding rows (every field
-        at its padding value: they decode nothing), what its real rows start from; a host array the call's rows
-        are written into, and that array's field views. One set per bucket, kept: building a layout's two dozen
-        views cost more than filling them."""
-        key = (width, penalties, chain, rows)
+    def _staging(self, width: int, penalties: bool, chain: bool, rows: int, grammar: bool = False):
+        """For a call of ``rows`` rows of that ``denoise_layout``: its padding rows (they decode nothing), what its real
+        rows start from; a host array they are written into, and its views. One set per bucket, kept."""
+        key = (width, penalties, chain, grammar, rows)
         if key not in self._staged:
-            self._staged[key] = row_schema.padding_rows(self._input_fields(penalties, chain), self._dims(width),
-                                                        rows)
+            fields = self._input_fields(penalties, chain, grammar)
+            self._staged[key] = row_schema.padding_rows(fields, self._dims(width), rows)
         return self._staged[key]
 
     def denoise_spec(self, sampling: bool, variant: int = 0, chain: bool = False) -> StepSpec:
@@ -194,7 +195,8 @@ class ModelRunner:
         key = (sampling, variant, chain)
         if key not in self._variants:
             self._variants[key] = dataclasses.replace(
-                spec, penalties=bool(variant & VARIANT_PENALTIES), logprobs=bool(variant & VARIANT_LOGPROBS),
+                spec, penalties=bool(variant & VARIANT_PENALTIES), grammar=bool(variant & VARIANT_GRAMMAR),
+                logprobs=bool(variant & VARIANT_LOGPROBS),
                 top_logprobs=MAX_TOP_LOGPROBS if variant & VARIANT_TOP else 0, chain=self.chain if chain else 0)
         return self._variants[key]
 
@@ -208,7 +210,7 @@ class ModelRunner:
         if kind == KIND_PREFILL:
             return {"tokens": np.zeros((rows, length), np.int32), "page_table": np.zeros((rows, width), np.int32),
                     "prefix_len": np.zeros((rows,), np.int32), "write": np.zeros((rows, length // B), np.int32)}
-        layout = self.denoise_layout(width, bool(variant & VARIANT_PENALTIES), rows in self.chain_rows)
+        layout = self._layout_of(width, variant, rows in self.chain_rows)
         return {"rows": np.zeros((rows, layout.width), np.int32)}
 
     def follow(self) -> int:
@@ -286,6 +288,9 @@ class ModelRunner:
         B = self.block_size
         R, C = self.prefill_shape(len(rows), max(len(r.write_pages) for r in rows))
         W = self.prefill_width
+        key = self.fit(PrefillKey("prefill", R, C, W))
+        if key is not None:
+            R, C = key.rows, key.blocks
         tokens = np.zeros((R, C * B), np.int32)
         table = np.full((R, W), TRASH_PAGE, np.int32)
         prefix = np.zeros((R,), np.int32)
@@ -314,12 +319,20 @@ class ModelRunner:
         t_enter = time.perf_counter() if timeline is not None else 0.0
         B = self.block_size
         n = len(rows)
-        R = pick_bucket(n, self.row_buckets)
-        # The table holds the prefix and, for a chaining row, the pages of the blocks it may start.
-        W = pick_bucket(max(1, max(len(r.prefix_pages) + len(r.chain_pages) for r in rows)), self.width_buckets)
         penalties = any(r.penalty is not None for r in rows)
+        grammar = any(r.grammar is not None for r in rows)
+        variant = (VARIANT_PENALTIES if penalties else 0) | (VARIANT_GRAMMAR if grammar else 0)
+        if any(r.logprobs >= 0 for r in rows):
+            variant |= VARIANT_LOGPROBS | (VARIANT_TOP if any(r.logprobs > 0 for r in rows) else 0)
+        sampled = any(row_schema.is_sampled(r.temperature, r.top_k) for r in rows)
+        # The table holds the prefix and, for a chaining row, the pages of the blocks it may start (bucket: fit).
+        pages = max(1, max(len(r.prefix_pages) + len(r.chain_pages) for r in rows))
+        key = DenoiseKey("denoise", pick_bucket(n, self.row_buckets), pick_bucket(pages, self.width_buckets),
+                         sampled, variant)
+        key = self.fit(key) or key
+        R, W = key.rows, key.width
         chain = R in self.chain_rows
-        padding, staging, fields = self._staging(W, penalties, chain, R)
+        padding, staging, fields = self._staging(W, penalties, chain, R, grammar)
         np.copyto(staging, padding)
         fields["loop_cap"][:] = loop_cap
         state = {k: fields[STATE_PREFIX + k] for k in self._fresh_state}
@@ -328,21 +341,18 @@ class ModelRunner:
                 self._fill_row(fields, state, i, r, chain, R)
             except Exception as e:  # a value the checks let through: that row's request fails, not the call's
                 raise RowError(i, e) from e
-        variant = 0
         if penalties:
-            variant |= VARIANT_PENALTIES
             fill_penalties(rows, {k[len(PENALTY_PREFIX):]: v for k, v in fields.items()
                                    if k.startswith(PENALTY_PREFIX)})
-        if any(r.logprobs >= 0 for r in rows):
-            variant |= VARIANT_LOGPROBS | (VARIANT_TOP if any(r.logprobs > 0 for r in rows) else 0)
+        if grammar:
+            fill_grammar(rows, fields)
         packed = staging.copy()  # the call's own inputs (the staging rows are rewritten by the next call)
         result = self._execute(KIND_DENOISE | (variant << 2), {"rows": packed}, (R, W, B))
         if self.read_async:
             for leaf in jax.tree.leaves(result):
                 leaf.copy_to_host_async()
         t_dispatched = time.perf_counter() if timeline is not None else 0.0
-        sampled = bool(np.any(row_schema.is_sampled(fields["temperature"], fields["top_k"])))
-        self.compiler.ran(DenoiseKey("denoise", R, W, sampled, variant))
+        self.compiler.ran(key)
         return functools.partial(self._collect_denoise, result, rows, chain, R, W, sampled, t_enter, t_dispatched)
 
     def _collect_denoise(self, result, rows: list[DecodeRow], chain: bool, R: int, W: int, sampled: bool,
@@ -414,10 +424,20 @@ class ModelRunner:
     # Which executables exist, and compiling the missing ones off the scheduler's thread
     # -------------------------------------------------------------------------------------------
     def denoise_key(self, rows: int, pages: int, *, sampling: bool, penalties: bool, logprobs: bool,
-                    top: bool) -> DenoiseKey:
-        """The key of a denoise call of ``rows`` rows whose longest page table holds ``pages``."""
-        return DenoiseKey("denoise", pick_bucket(rows, self.row_buckets), pick_bucket(max(1, pages), self.width_buckets),
-                          sampling, variants_for(penalties=penalties, logprobs=logprobs, top=top))
+                    top: bool, grammar: bool = False, ask: bool = True) -> DenoiseKey:
+        """The key of a denoise call of ``rows`` rows whose longest page table holds ``pages``: its smallest bucket,
+        or a larger compiled one while a staged warm-up compiles that (:meth:`fit`)."""
+        key = DenoiseKey("denoise", pick_bucket(rows, self.row_buckets), pick_bucket(max(1, pages), self.width_buckets),
+                         sampling, variants_for(penalties=penalties, logprobs=logprobs, top=top, grammar=grammar))
+        return self.fit(key, ask) or key
+
+    def fit(self, key: tuple, ask: bool = True) -> tuple | None:
+        """The key a call of ``key``'s shape runs under now: ``key``, or while a staged warm-up compiles it a larger
+        compiled bucket, or None: the call waits (:func:`compilation.fit_key`)."""
+        return fit_key(self.compiler, key, lambda: self.buckets_spec.larger(key, self.chain_rows), ask)
+
+    def prefill_fit(self, chunk: int, rows: int) -> tuple[int, int] | None:  # see compilation.prefill_fit
+        return prefill_fit(self.compiler, self.buckets_spec, chunk, rows, self.prefill_width)
 
     def _abstract(self, tree):
         """Shapes of device arrays, as the jitted call sees them (a sharding only where a mesh placed them: a
@@ -438,26 +458,31 @@ class ModelRunner:
                                  spec=self.prefill_spec)
         R, W, sampling, variant = key.rows, key.width, key.sampled, key.variant
         chain = R in self.chain_rows
-        layout = self.denoise_layout(W, bool(variant & VARIANT_PENALTIES), chain)
-        rows = jax.ShapeDtypeStruct((R, layout.width), np.int32)
-        return denoise_packed.lower(params, kv_pages, rows, spec=self.denoise_spec(sampling, variant, chain),
+        layout, spec = self._layout_of(W, variant, chain), self.denoise_spec(sampling, variant, chain)
+        return denoise_packed.lower(params, kv_pages, jax.ShapeDtypeStruct((R, layout.width), np.int32), spec=spec,
                                     layout=layout)
 
     # -------------------------------------------------------------------------------------------
-    def buckets(self, *, sampling: bool = False, logprobs: bool = False, penalties: bool = False) -> list[tuple]:
-        """Every key a call can take, with the step variants asked for (see :func:`compilation.bucket_keys`)."""
-        return bucket_keys(self.buckets_spec, self.prefill_width, sampling=sampling, logprobs=logprobs,
-                           penalties=penalties)
+    def buckets(self, **variants) -> list[tuple]:
+        """Every key a call can take, with the step variants asked for (:func:`compilation.bucket_keys`)."""
+        return bucket_keys(self.buckets_spec, self.prefill_width, **variants)
 
-    def num_buckets(self, **variants) -> int:
-        return len(self.buckets(**variants))
+    def num_buckets(self, background: bool = False, **variants) -> int:  # how many keys warmup compiles now
+        return len(self._warmup_keys(background, **variants)[0])
 
-    def warmup(self, *, sampling: bool = False, logprobs: bool = False, penalties: bool = False,
-               on_bucket=None) -> int:
-        """Compile every bucket now, with the step variants asked for (:meth:`Compiler.warmup`). Returns the count.
-        With followers (several processes) each bucket runs once instead, so that every process compiles it."""
-        count = self.compiler.warmup(self.buckets(sampling=sampling, logprobs=logprobs, penalties=penalties),
-                                     run=self._run_padding if self.channel is not None else None, on_key=on_bucket)
+    def _warmup_keys(self, background: bool, **variants) -> tuple[list[tuple], list[tuple]]:
+        keys = self.buckets(**variants)
+        if not background or self.channel is not None:
+            return keys, []
+        return staged_keys(keys, denoise_rows=2 if self.greedy_spec.fold_commit else 1, block_size=self.block_size)
+
+    def warmup(self, *, on_bucket=None, background: bool = False, **variants) -> int:
+        """Compile every bucket now, with the step variants asked for (:meth:`Compiler.warmup`); ``background``: a
+        short chat's now, the rest on the background thread (:func:`compilation.staged_keys`). Returns the count
+        compiled now. With followers each bucket runs once instead, so that every process compiles it, all now."""
+        keys, later = self._warmup_keys(background, **variants)  # (sampling, logprobs, penalties, grammar)
+        run = self._run_padding if self.channel is not None else None
+        count = self.compiler.warmup(keys, later=later, on_key=on_bucket, run=run)
         jax.block_until_ready(self.kv_pages)
         return count
 
@@ -467,7 +492,8 @@ class ModelRunner:
         if key.kind == "denoise":
             lps = -1 if not key.variant & VARIANT_LOGPROBS else (1 if key.variant & VARIANT_TOP else 0)
             row = DecodeRow(prefix_pages=[TRASH_PAGE] * key.width, temperature=1.0 if key.sampled else 0.0,
-                            logprobs=lps, penalty=PenaltyRow([], 0) if key.variant & VARIANT_PENALTIES else None)
+                            logprobs=lps, penalty=PenaltyRow([], 0) if key.variant & VARIANT_PENALTIES else None,
+                            grammar=UNCONSTRAINED if key.variant & VARIANT_GRAMMAR else None)
             self.denoise([row] * key.rows)
         else:
             self.prefill([PrefillRow(tokens=[0] * (key.blocks * B), prefix_pages=[TRASH_PAGE] * key.width,

@@ -11,11 +11,14 @@ uses neither runs the plain step.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 # the fixed widths of the device's logit-bias and min-new-tokens stop tables (OpenAI's limit of 300 biases)
 from dllm_jax.decode.rows import MAX_LOGIT_BIAS, MAX_MIN_NEW_STOP_IDS, MAX_TOP_LOGPROBS, is_sampled  # noqa: F401
 
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+MAX_GRAMMAR_CHARS = 1 << 20  # a schema / regex / grammar's text
 MAX_NEW_TOKENS_LIMIT = 1 << 20  # anything larger is a mistake, not a request
 MAX_STOP_STRINGS = 16  # host-side stop strings per request (each commit searches the text for every one)
 MAX_STOP_TOKEN_IDS = 1024  # stop token ids per request
@@ -53,6 +56,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_new_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
+    # Structured output (SGLang's names, one at a time): the answer is valid by construction (engine/grammar.py).
+    json_schema: str | None = None  # a JSON schema, as JSON text
+    regex: str | None = None
+    ebnf: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -63,6 +70,14 @@ class SamplingParams:
         """Whether any penalty or bias differs from its neutral value (the row then needs the penalty variant)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.min_new_tokens or self.logit_bias)
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(field name, text) of the request's grammar, or None."""
+        for name in GRAMMAR_FIELDS:
+            if getattr(self, name) is not None:
+                return name, getattr(self, name)
+        return None
 
     @property
     def logprobs(self) -> int:
@@ -146,11 +161,32 @@ class SamplingParams:
                 raise ValueError(f"{field('seed')}: must be an integer in [0, 2^32), got {v!r}")
             out["seed"] = int(v)
         _logprob_fields(values, out, field)
+        _grammar_fields(values, out, field)
         _penalty_fields(values, out, field, vocab_size)
         if out.get("min_new_tokens", 0) > out.get("max_new_tokens", cls.max_new_tokens):
             raise ValueError(f"{field('min_new_tokens')}: {out['min_new_tokens']} exceeds max_new_tokens "
                              f"{out.get('max_new_tokens', cls.max_new_tokens)}")
         return cls(**out)
+
+
+def _grammar_fields(values: dict, out: dict, field) -> None:
+    """``json_schema`` (a string of JSON, or the schema object itself), ``regex``, ``ebnf``: at most one; compiled
+    (and refused with the grammar engine's reason) when the request is made."""
+    given = [name for name in GRAMMAR_FIELDS if name in values]
+    for name in given:
+        v = values[name]
+        if name == "json_schema" and isinstance(v, (dict, bool)):
+            v = json.dumps(v)
+        if not isinstance(v, str) or not v.strip():
+            raise ValueError(f"{field(name)}: must be a non-empty string, got {v!r}")
+        if len(v) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"{field(name)}: at most {MAX_GRAMMAR_CHARS} characters, got {len(v)}")
+        out[name] = check_text(v, field(name))
+    if len(given) > 1:
+        raise ValueError(f"{field(given[1])}: only one of json_schema, regex and ebnf may be given, got {given}")
+    if given and values.get("ignore_eos"):
+        raise ValueError(f"{field('ignore_eos')}: cannot be combined with {given[0]} (a constrained answer ends "
+                         f"where its grammar accepts)")
 
 
 def _logprob_fields(values: dict, out: dict, field) -> None:

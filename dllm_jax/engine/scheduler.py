@@ -90,7 +90,7 @@ class Scheduler(Events):
         denoise = self.policy.plan_denoise(decode_reqs) if decode_reqs else None
         if denoise is not None:
             yield denoise
-        elif decode_reqs and call is None:
+        elif call is None and (decode_reqs or prefill_reqs):
             self.policy.idle()
 
     def schedule_ahead(self):

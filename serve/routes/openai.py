@@ -67,7 +67,8 @@ async def completions(body: CompletionRequest, request: Request, server: Server 
     prompts, batch_mode = body.prompts()
     n = body.num_choices
     server.check_batch_size(len(prompts) * n, "n" if n > 1 else "prompt")
-    params = features.gate(body.sampling_dict(body.max_tokens), OPENAI_FIELD_NAMES, prefix="")
+    renames = {**OPENAI_FIELD_NAMES, **body.grammar_renames()}
+    params = features.gate(body.sampling_dict(body.max_tokens), renames, prefix="")
     fields = [f"prompt[{i}]" for i in range(len(prompts))] if batch_mode else ["prompt"]
     texts = [(i, p) for i, p in enumerate(prompts) if isinstance(p, str)]
     text_ids = await server.tokenize_all([p for _, p in texts], [fields[i] for i, _ in texts])
@@ -86,7 +87,7 @@ async def completions(body: CompletionRequest, request: Request, server: Server 
         return _scored_only(server, ids_list, fields, echoes, scored, n)
     ids_list, params_list, fields = expand_choices(ids_list, [params] * len(ids_list), fields, n)
     echoes = [e for e in echoes for _ in range(n)]
-    batch = server.start_batch(ids_list, params_list, fields, stream=body.stream, renames=OPENAI_FIELD_NAMES,
+    batch = server.start_batch(ids_list, params_list, fields, stream=body.stream, renames=renames,
                                rids=_rids(body, len(ids_list)),
                                provisional=body.stream_provisional, batch_field="n" if n > 1 else None)
     cid = f"cmpl-{uuid.uuid4().hex}"
@@ -137,7 +138,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, server
     eng = server.engine
     n = body.num_choices
     server.check_batch_size(n, "n")
-    renames = dict(CHAT_FIELD_NAMES)
+    renames = {**CHAT_FIELD_NAMES, **body.grammar_renames()}
     renames["sampling_params.max_new_tokens"] = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     renames["input_ids"] = "messages"
     max_new = body.max_completion_tokens or body.max_tokens

@@ -8,9 +8,12 @@ server's ``stream_provisional``.
 
 Fields that clients send routinely and that cannot change an answer (``metadata``, ``user``, ``store``,
 ``service_tier``, ``parallel_tool_calls``) are accepted and ignored (:data:`IGNORED_FIELDS`); those that would
-change its meaning and are not implemented (``tools``, ``tool_choice``, ``functions``, ``function_call``, a
-``response_format`` other than text, non-text content parts, a streamed ``echo`` with ``logprobs``) are a 400
-naming the field, never silently dropped.
+change its meaning and are not implemented (``tools``, ``tool_choice``, ``functions``, ``function_call``,
+non-text content parts, a streamed ``echo`` with ``logprobs``) are a 400 naming the field, never silently dropped.
+
+Structured output: ``response_format`` ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
+{"name", "schema", "strict"}}``, or SGLang's ``json_schema`` / ``regex`` / ``ebnf`` (one of them); the engine makes
+the answer valid by construction and a schema it cannot compile is a 400 naming the field and the reason.
 
 ``echo`` with ``logprobs`` on ``/v1/completions`` returns the prompt tokens' log-probabilities first (the first
 token's null), then the generated tokens' (lm-eval's loglikelihood and multiple-choice tasks read them), and
@@ -19,6 +22,7 @@ token's null), then the generated tokens' (lm-eval's loglikelihood and multiple-
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -58,12 +62,46 @@ class OpenAICommon(StopFields, PenaltyFields, Body):
     min_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS_LIMIT)
     # this server's extension: the block being denoised, after every step (see serve/README.md)
     stream_provisional: bool = False
+    # structured output: OpenAI's response_format, or SGLang's names (one of them in all)
+    response_format: Any = None
+    json_schema: Any = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @model_validator(mode="after")
     def _provisional_needs_stream(self):
         if self.stream_provisional and not self.stream:
             raise ValueError("stream_provisional: needs stream: true")
         return self
+
+    @model_validator(mode="after")
+    def _one_grammar(self):
+        given = [name for name in ("response_format", "json_schema", "regex", "ebnf")
+                 if getattr(self, name) is not None and not (name == "response_format" and self.grammar()[0] is None)]
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: only one of response_format, json_schema, regex and ebnf may be given")
+        return self
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v):
+        response_format_grammar(v)  # (a ValueError naming the field)
+        return v
+
+    def grammar(self) -> tuple[str | None, Any, str]:
+        """(the engine's grammar field or None, its value, the body field that gave it)."""
+        kind, value, field = response_format_grammar(self.response_format)
+        if kind is not None:
+            return kind, value, field
+        for name in ("json_schema", "regex", "ebnf"):
+            if getattr(self, name) is not None:
+                return name, getattr(self, name), name
+        return None, None, ""
+
+    def grammar_renames(self) -> dict[str, str]:
+        """Engine field name -> body field name of the request's grammar (errors name what the client sent)."""
+        kind, _, field = self.grammar()
+        return {f"sampling_params.{kind}": field} if kind else {}
 
     router_kind: ClassVar[str] = ""  # its SGLang router fields (serve.schemas.router_fields): chat, completion
 
@@ -109,7 +147,45 @@ class OpenAICommon(StopFields, PenaltyFields, Body):
             out["return_logprob"] = ret
         if top is not None:
             out["top_logprobs_num"] = top
+        kind, value, _ = self.grammar()
+        if kind is not None:
+            out[kind] = value
         return out
+
+
+def response_format_grammar(v: Any) -> tuple[str | None, Any, str]:
+    """OpenAI's ``response_format`` -> (the engine's grammar field or None, its value, the body field naming it):
+    ``text`` none, ``json_object`` any JSON object, ``json_schema`` its ``schema`` (any JSON value without one).
+    Anything else is a ValueError naming the field."""
+    if v is None:
+        return None, None, ""
+    if not isinstance(v, dict) or not isinstance(v.get("type"), str):
+        raise ValueError('response_format: must be an object with a "type" (text, json_object or json_schema)')
+    kind = v["type"]
+    extra = sorted(set(v) - {"type", "json_schema"})
+    if extra or (kind != "json_schema" and "json_schema" in v):
+        raise ValueError(f"response_format: unknown key(s) {extra or ['json_schema']} for type {kind!r}")
+    if kind == "text":
+        return None, None, ""
+    if kind == "json_object":
+        return "json_schema", json.dumps({"type": "object"}), "response_format"
+    if kind != "json_schema":
+        raise ValueError(f"response_format.type: must be text, json_object or json_schema, got {kind!r}")
+    spec = v.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ValueError('response_format.json_schema: must be an object {"name", "schema", "strict"}')
+    unknown = sorted(set(spec) - {"name", "schema", "strict", "description"})
+    if unknown:
+        raise ValueError(f"response_format.json_schema: unknown key(s) {unknown}")
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise ValueError("response_format.json_schema.name: must be a non-empty string")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise ValueError("response_format.json_schema.strict: must be true or false")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"response_format.json_schema.schema: must be a JSON schema object, got "
+                         f"{type(schema).__name__}")
+    return "json_schema", json.dumps(schema), "response_format.json_schema.schema"
 
 
 # Engine field names -> OpenAI body field names (for errors the engine raises on OpenAI requests).
@@ -248,7 +324,6 @@ class ChatCompletionRequest(ChatRouterFields, OpenAICommon):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # not implemented: only the values that mean "none of it" (else a 400 naming the field)
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -270,13 +345,6 @@ class ChatCompletionRequest(ChatRouterFields, OpenAICommon):
             return v
         raise ValueError(f"{info.field_name}: tool and function calling is not supported by this server (only "
                          f"\"none\" or null)")
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, v):
-        if v is None or v == {"type": "text"}:
-            return v
-        raise ValueError("response_format: only {\"type\": \"text\"} is supported (no JSON mode or schemas)")
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):

@@ -54,7 +54,7 @@ _FALSE, _ZERO, _NULL = (False,), (0,), ()
 _UNSUPPORTED_GENERATION = {"no_stop_trim": _FALSE, "return_hidden_states": _FALSE, "return_routed_experts": _FALSE,
                            "routed_experts_start_len": _ZERO, "return_prompt_token_ids": _FALSE,
                            "lora_path": _NULL, "session_params": _NULL, "custom_logit_processor": _NULL,
-                           "min_p": _ZERO, "regex": _NULL, "ebnf": _NULL}
+                           "min_p": _ZERO}
 # Features this server does not have: accepted at these values (or null) and dropped; anything else is a 400.
 NEUTRAL: dict[str, dict[str, tuple]] = {
     "generate": {"return_hidden_states": _FALSE, "return_routed_experts": _FALSE, "routed_experts_start_len": _ZERO,
@@ -65,14 +65,13 @@ NEUTRAL: dict[str, dict[str, tuple]] = {
                  "session_params": _NULL},
     "chat": {**_UNSUPPORTED_GENERATION, "continue_final_message": _FALSE, "return_meta_info": _FALSE,
              "chat_template_kwargs": ({},), "input_ids": _NULL, "stop_regex": _NULL, "custom_params": _NULL},
-    "completion": {**_UNSUPPORTED_GENERATION, "json_schema": _NULL},
-    "sampling": {"no_stop_trim": _FALSE, "min_p": _ZERO, "json_schema": _NULL, "regex": _NULL, "ebnf": _NULL},
+    "completion": {**_UNSUPPORTED_GENERATION},
+    "sampling": {"no_stop_trim": _FALSE, "min_p": _ZERO},
 }
 
 WHAT = {"no_stop_trim": "the matched stop string is always trimmed", "lora_path": "LoRA adapters are not served",
         "lora_id": "LoRA adapters are not served", "min_p": "min-p sampling is not implemented",
-        "json_schema": "constrained decoding is not implemented", "regex": "constrained decoding is not implemented",
-        "ebnf": "constrained decoding is not implemented", "continue_final_message": "the chat template always "
+        "continue_final_message": "the chat template always "
         "starts a new assistant turn", "video_data":
         "this server's models read text only", "audio_data": "this server's models read text only"}
 
@@ -148,7 +147,7 @@ class GenerateRouterFields(_fields_of("generate")):
 
 class SamplingRouterFields(_fields_of("sampling")):
     """The router's sampling parameters beyond SGLang's older set: ``sampling_seed`` (the seed), and neutral-only
-    ``no_stop_trim``, ``min_p``, ``json_schema``, ``regex``, ``ebnf``."""
+    ``no_stop_trim``, ``min_p`` (``json_schema``, ``regex``, ``ebnf`` are real fields of the body)."""
 
     sampling_seed: Any = None
 

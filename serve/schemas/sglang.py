@@ -26,6 +26,10 @@ class SamplingParamsBody(SamplingRouterFields, StopFields, PenaltyFields):
     seed: int | None = Field(None, ge=0, lt=2 ** 32)
     n: int | None = Field(None, ge=1, le=MAX_N)
     min_new_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS_LIMIT)
+    # structured output (one of them; compiled by the engine, which names the field and the reason if it cannot)
+    json_schema: Any = None  # a JSON schema as a string (SGLang), or the schema object
+    regex: str | None = None
+    ebnf: str | None = None
 
     @model_validator(mode="after")
     def _min_max(self):
