@@ -53,6 +53,7 @@ def release_runner(runner, tags) -> None:
         host = jax.tree.map(lambda a: _Kept(a, keep_value=True), runner.params)
         for a in jax.tree.leaves(runner.params):
             a.delete()
+        runner.compute.drop()  # the forwards' [in, out] copies, if any (made anew from the restored weights)
         kept["weights"] = host
     if "kv_cache" in tags and "kv_cache" not in kept:
         layout = jax.tree.map(lambda a: _Kept(a, keep_value=False), runner.kv_pages)

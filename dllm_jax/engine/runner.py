@@ -29,6 +29,7 @@ from dllm_jax.engine.compilation import (VARIANT_GRAMMAR, VARIANT_LOGPROBS, VARI
                                          DenoiseKey, PrefillKey, ShapeBuckets, bucket_keys, fit_key, pick_bucket,
                                          prefill_fit, staged_keys, variants_for)
 from dllm_jax.engine.sampling import MAX_TOP_LOGPROBS
+from dllm_jax.model.compute_layout import ComputeCopies
 
 
 KIND_STOP, KIND_PREFILL, KIND_DENOISE = 0, 1, 2
@@ -93,6 +94,7 @@ class ModelRunner:
 
             self.params = shard_params(params, cfg, mesh)
             self.kv_pages = shard_kv_pages(self.kv_pages, cfg, mesh)
+        self.compute = ComputeCopies.for_runner(self.params, mesh=mesh, multi_process=channel is not None)
         # The compiled steps see only what the device computes with: host-side fields (stop ids, the context
         # limit) are blanked, so models that differ only there share executables.
         device_cfg = cfg.replace(eos_token_ids=(), max_position_embeddings=0)
@@ -142,8 +144,8 @@ class ModelRunner:
             self.channel.send(np.asarray([kind, *shape], np.int32), arrays)
         kind, variant = kind & 3, kind >> 2  # counted once dispatched (so the count says kv_pages is its output)
         if kind == KIND_PREFILL:
-            args = (self.params, self.kv_pages, arrays["tokens"], arrays["page_table"], arrays["prefix_len"],
-                    arrays["write"])
+            args = (self.compute.view(self.params), self.kv_pages, arrays["tokens"], arrays["page_table"],
+                    arrays["prefix_len"], arrays["write"])
             self.kv_pages = prefill(*args, spec=self.prefill_spec)
             self.device_calls += 1
             return None
@@ -152,7 +154,7 @@ class ModelRunner:
         rows = arrays["rows"]
         sampling = bool(np.any((layout.view(rows, "temperature") > 0) & (layout.view(rows, "top_k") != 1)))
         spec = self.denoise_spec(sampling, variant, chain)
-        args = (self.params, self.kv_pages, rows)
+        args = (self.compute.view(self.params), self.kv_pages, rows)
         self.kv_pages, *result = denoise_packed(*args, spec=spec, layout=layout)
         self.device_calls += 1
         return result
@@ -204,12 +206,12 @@ class ModelRunner:
         """Zero arrays shaped like the leader's call (followers receive into them)."""
         kind, rows, width, length = (int(x) for x in header)
         kind, variant = kind & 3, kind >> 2
-        B = self.block_size
         if kind == KIND_WEIGHTS:
             return update_template(header)
         if kind == KIND_PREFILL:
             return {"tokens": np.zeros((rows, length), np.int32), "page_table": np.zeros((rows, width), np.int32),
-                    "prefix_len": np.zeros((rows,), np.int32), "write": np.zeros((rows, length // B), np.int32)}
+                    "prefix_len": np.zeros((rows,), np.int32),
+                    "write": np.zeros((rows, length // self.block_size), np.int32)}
         layout = self._layout_of(width, variant, rows in self.chain_rows)
         return {"rows": np.zeros((rows, layout.width), np.int32)}
 
@@ -442,19 +444,17 @@ class ModelRunner:
     def _abstract(self, tree):
         """Shapes of device arrays, as the jitted call sees them (a sharding only where a mesh placed them: a
         single device's arrays lower without one, and so must these, for the call to find the executable)."""
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                           sharding=x.sharding if self.mesh is not None else None),
-                            tree)
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=x.sharding if self.mesh is not None else None), tree)
 
     def _lower(self, key: tuple):
         """Trace and lower the call of ``key`` from abstract inputs (shapes only: no host staging array and no
         device buffer is touched, so this may run on another thread while calls run)."""
-        B = self.block_size
-        params, kv_pages = self._abstract(self.params), self._abstract(self.kv_pages)
+        params, kv_pages = self.compute.abstract(self._abstract(self.params)), self._abstract(self.kv_pages)
         if key.kind == "prefill":
             R, C, W = key.rows, key.blocks, key.width
             i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
-            return prefill.lower(params, kv_pages, i32(R, C * B), i32(R, W), i32(R), i32(R, C),
+            return prefill.lower(params, kv_pages, i32(R, C * self.block_size), i32(R, W), i32(R), i32(R, C),
                                  spec=self.prefill_spec)
         R, W, sampling, variant = key.rows, key.width, key.sampled, key.variant
         chain = R in self.chain_rows

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from dllm_jax.config import ModelConfig
+from dllm_jax.model.compute_layout import InOut
 from dllm_jax.model.fused_layout import fused_axis_groups
 
 
@@ -39,10 +40,15 @@ def contract(x, w):
 
     The rows are flattened to one axis first: with a 3D ``x`` inside a device loop, XLA:CPU lays the loop's weights
     out ``[in, out]`` and copies every matrix so at each call (all the weights again, and slower), which a 2D dot
-    does not make it do."""
+    does not make it do. ``w`` may also be an :class:`~dllm_jax.model.compute_layout.InOut` copy (small models on
+    XLA:CPU), contracted on its first axis."""
     lead = x.shape[:-1]
-    out = jax.lax.dot_general(x.reshape(-1, x.shape[-1]), w, (((1,), (1,)), ((), ())),
-                              preferred_element_type=jnp.float32)
+    if isinstance(w, InOut):  # an [in, out] compute copy (dllm_jax.model.compute_layout): its first axis
+        out = jax.lax.dot_general(x.reshape(-1, x.shape[-1]), w.t, (((1,), (0,)), ((), ())),
+                                  preferred_element_type=jnp.float32)
+    else:
+        out = jax.lax.dot_general(x.reshape(-1, x.shape[-1]), w, (((1,), (1,)), ((), ())),
+                                  preferred_element_type=jnp.float32)
     return out.reshape(*lead, w.shape[0])
 
 

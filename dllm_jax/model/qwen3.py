@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dllm_jax.config import ModelConfig
+from dllm_jax.model.compute_layout import HEAD_KEY
 from dllm_jax.model.fused_layout import fused_axis_groups
 from dllm_jax.model.moe import contract, linear, moe_mlp, swiglu
 from dllm_jax.model.table import Params
@@ -121,8 +122,10 @@ def embed_tokens(embed, tokens):
 
 def logits_from_hidden(params: Params, hidden):
     """float32 logits ``[..., V]``: the ``[V, H]`` head contracted as stored (writing ``embed.T`` makes XLA:CPU copy
-    the embedding in bf16 on every call, measured 13x slower at the 1.7B shape)."""
-    return contract(hidden, lm_head(params))
+    the embedding in bf16 on every call, measured 13x slower at the 1.7B shape), or its ``[H, V]`` compute copy where
+    the runner made one (:mod:`dllm_jax.model.compute_layout`)."""
+    head = params.get(HEAD_KEY)
+    return contract(hidden, lm_head(params) if head is None else head)
 
 
 # ----------------------------------------------------------------------------------------------
