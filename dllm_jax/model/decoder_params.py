@@ -30,9 +30,10 @@ before fusion) still name their segments.
 
 Projection matrices (``matrix=True``) are stored as the checkpoints store them, ``[out, in]`` (stacked experts
 ``[E, out, in]``; the LM head ``[V, H]`` like the embedding), and the forward contracts their last axis
-(:func:`dllm_jax.model.moe.linear`): XLA:GPU / cuBLAS and XLA:CPU take that operand order without a copy (on CPU it
-measured as fast or faster than ``[in, out]``, bench/RESULTS.md), so loading a checkpoint is a copy of each tensor,
-never a transpose. A checkpoint tensor goes to its rows of a fused leaf (its shard blocks), a copy too.
+(:func:`dllm_jax.model.moe.linear`): XLA:GPU / cuBLAS and XLA:CPU take that operand order without a copy, so
+loading a checkpoint is a copy of each tensor, never a transpose. A checkpoint tensor goes to its rows of a fused
+leaf (its shard blocks), a copy too. (XLA:CPU runs small matrices faster ``[in, out]``: a small model's runner
+computes over ``[in, out]`` copies made beside the stored leaves, :mod:`dllm_jax.model.compute_layout`.)
 
 Everything else derives from these rows: shapes, dtypes, initial values (:mod:`dllm_jax.model.params`), the
 sharding axes (:data:`PARAM_AXES`, read by :mod:`dllm_jax.sharding`) and the checkpoint name maps both ways

@@ -36,7 +36,8 @@ def contract(x, w):
     """``x [..., in] . w [out, in] -> [..., out]`` accumulated in float32 (float32 out): ``x @ w.T`` without the
     transpose. A matrix is stored ``[out, in]`` as checkpoints store it; XLA (cuBLAS, XLA:CPU's dot kernels) takes
     the transposed operand as it is, and on XLA:CPU this order measured as fast as or faster than ``x @ w`` over an
-    ``[in, out]`` matrix at the 1.7B shape (bf16 8 rows: 2048 -> 6144 in 5-8 ms vs 14 ms; bench/RESULTS.md).
+    ``[in, out]`` matrix at the 1.7B shape (bf16 8 rows: 2048 -> 6144 in 5-8 ms vs 14 ms; bench/RESULTS.md), though
+    slower for small matrices at a few dozen rows (the shipped model's call: 3.5 vs 3.1 ms; issue 50).
 
     The rows are flattened to one axis first: with a 3D ``x`` inside a device loop, XLA:CPU lays the loop's weights
     out ``[in, out]`` and copies every matrix so at each call (all the weights again, and slower), which a 2D dot
