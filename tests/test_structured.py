@@ -235,7 +235,8 @@ def test_diffusion_gemma_canvases_are_constrained(dg_engine):
 
 def test_the_device_functions_of_the_grammar_variant():
     """The packed bitmask unpacks as llguidance packs it; the frontier takes the best allowed token (never the mask
-    id) with confidence 1 / entropy 0; decided tokens are not rewritten; inactive rows are untouched."""
+    id) with its confidence / entropy under the masked distribution; decided tokens are not rewritten; inactive
+    rows are untouched; the loop's stop predicate fires once an active row decides its frontier."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -256,10 +257,58 @@ def test_the_device_functions_of_the_grammar_variant():
     active = jnp.asarray([True, False])
     cand = jnp.asarray([[2, 8, 9, 9], [2, 8, 9, 9]])
     conf = jnp.full((2, 4), 0.5)
+    z = gm.allowed_logits(jnp.asarray(logits), jnp.asarray(allowed), mask_id=mask_id)
+    conf_f, ent_f = gm.masked_figures(z, jnp.asarray([40, 40]))
+    p = np.exp([0.0, 1.0, 0.0]) / np.exp([0.0, 1.0, 0.0]).sum()  # allowed 10, 40, 69 (the mask id is not)
+    assert np.isclose(float(conf_f[0]), p[1]) and np.isclose(float(ent_f[0]), -(p * np.log(p)).sum())
     tokens, confidence, entropy = gm.constrain_frontier(cand, conf, jnp.ones((2, 4)), block, immutable, active,
-                                                        jnp.asarray([40, 41]), mask_id=mask_id)
+                                                        jnp.asarray([40, 41]), conf_f, ent_f, mask_id=mask_id)
     assert np.asarray(tokens).tolist() == [[2, 8, 40, 9], [2, 8, 9, 9]]
-    assert float(confidence[0, 2]) == 1.0 and float(entropy[0, 2]) == 0.0 and float(confidence[1, 1]) == 0.5
+    assert float(confidence[0, 2]) == float(conf_f[0]) and float(entropy[0, 2]) == float(ent_f[0])
+    assert float(confidence[1, 1]) == 0.5
     new = jnp.asarray([[1, 8, 40, 9], [1, 8, 9, mask_id]])
     kept = gm.keep_run(block, new, immutable, active, mask_id=mask_id)
     assert np.asarray(kept).tolist() == [[1, 7, 40, 9], [1, 8, 9, mask_id]]
+    # the device loop goes on while no active row decided its frontier (its mask still holds)
+    assert not bool(gm.frontier_decided(block, block.at[0, 3].set(9), immutable, active, mask_id))
+    assert bool(gm.frontier_decided(block, kept, immutable, active, mask_id))
+    assert not bool(gm.frontier_decided(block, kept, immutable, jnp.asarray([False, False]), mask_id))
+
+
+def test_a_constrained_frontier_records_the_masked_distribution():
+    """The logprob record at a constrained frontier: the token's log probability and the top k under the masked
+    distribution the token was drawn from (SGLang reports logprobs after the grammar's mask too); elsewhere, and in
+    inactive rows, the step's own figures."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dllm_jax.decode import grammar_mask as gm
+
+    z = jnp.asarray([[0.0, 1.0, -jnp.inf, 2.0], [0.0, 0.0, 0.0, 0.0]])
+    logp = z - jax.nn.logsumexp(z, axis=-1, keepdims=True)
+    f = gm.FrontierScores(pos=jnp.asarray([1, 0]), at=jnp.asarray([True, False]), logp=logp)
+    tokens = jnp.asarray([[5, 3, 7], [1, 2, 3]])
+    chosen = jnp.full((2, 3), -0.5)
+    vals, ids = jnp.full((2, 3, 2), -1.0), jnp.full((2, 3, 2), 9, jnp.int32)
+    c, v, i = gm.record_frontier(f, tokens, chosen, vals, ids, lambda x: jax.lax.top_k(x, 2))
+    want = np.asarray(logp[0])
+    assert np.isclose(float(c[0, 1]), want[3]) and float(c[0, 0]) == float(c[1, 0]) == -0.5
+    assert np.asarray(i[0, 1]).tolist() == [3, 1] and np.allclose(np.asarray(v[0, 1]), want[[3, 1]])
+    assert np.asarray(i[1]).tolist() == [[9, 9]] * 3 and np.asarray(i[0, 2]).tolist() == [9, 9]
+
+
+@pytest.mark.slow
+def test_constrained_logprobs_are_those_of_the_masked_distribution(engine):
+    """An answer of one digit: its token is always decided at the frontier, so its logprob and alternatives are
+    the masked distribution's (only digits, summing to one), not the model's unconstrained ones."""
+    import numpy as np
+
+    digits = {engine.tokenizer.encode(str(d), add_special_tokens=False)[0] for d in range(10)}
+    out = engine.generate("What is 12 + 7? ", sampling_params={"max_new_tokens": 8, "regex": "[0-9]",
+                                                               "return_logprob": True, "top_logprobs_num": 12})
+    (lp, tid, _), top = out["meta_info"]["output_token_logprobs"][0], out["meta_info"]["output_top_logprobs"][0]
+    assert tid in digits
+    allowed = [(v, t) for v, t, _ in top if v > -9999.0]
+    assert {t for _, t in allowed} <= digits and np.isclose(sum(np.exp(v) for v, _ in allowed), 1.0, atol=1e-4)
+    assert np.isclose(lp, dict((t, v) for v, t in allowed)[tid], atol=1e-5)

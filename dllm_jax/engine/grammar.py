@@ -122,6 +122,19 @@ class RowGrammar:
         self.block_run: list[int] = []
         self.stopped = False  # the grammar consumed EOS: the rest of the answer is cut at it
         self.mask_seconds = 0.0  # host time spent in masks and checks (bench.structured reads it)
+        self.fill_seconds = 0.0  # of which in computing masks (the part right before a call)
+        self.masks_computed = self.masks_reused = 0
+        # The last mask and the matcher state it was computed in (``_state``: bumped at every consume / rollback):
+        # a row whose frontier did not move in a call (the device loop stopped for another row's) gets the same
+        # mask again without computing it.
+        self._state = 0
+        # Whether the device decides the frontier in the next step whatever its confidence (see
+        # grammar_mask.py): set when a check takes back a token the model decided (the model's text breaks the
+        # grammar: a token a step from the mask, and a host check, each step), cleared when a check accepts tokens
+        # it decided past the frontier (its text meets the grammar: the algorithm's own order, and the device
+        # loop, go on, so a grammar the model's text meets changes nothing it decodes).
+        self.forced = False
+        self._mask: tuple[int, np.ndarray] | None = None
 
     # -- blocks ---------------------------------------------------------------------------------
     def new_block(self) -> None:
@@ -129,6 +142,7 @@ class RowGrammar:
         if self.block_run:
             self.matcher.rollback(len(self.block_run))
             self.block_run = []
+            self._state += 1
         self.stopped = False  # (committed outputs hold no EOS: it would have ended the request)
 
     def block_committed(self) -> None:
@@ -151,20 +165,24 @@ class RowGrammar:
                 break
             common += 1
         if common < len(self.block_run):  # a checked token was rewritten: undo from there
+            self._state += 1
             self.matcher.rollback(len(self.block_run) - common)
             self.block_run = self.block_run[:common]
             self.stopped = self._ate_eos()
         taken_back = False
+        start, forced_count = len(self.block_run), 0
         while not self.stopped:
             at = len(self.block_run)
             holes = np.flatnonzero(gen[at:] == mask_id)
             run = gen[at:at + (int(holes[0]) if holes.size else gen.size - at)].tolist()
             valid = self.matcher.validate_tokens(run) if run else 0
             if valid:
+                self._state += 1
                 assert self.matcher.consume_tokens(run[:valid]), self.matcher.get_error()
                 self.block_run += run[:valid]
             # (validate_tokens counts no EOS once the grammar is complete: an EOS where it accepts is taken here)
             if valid < len(run) and run[valid] in self.compiler.eos_token_ids and self.matcher.is_accepting():
+                self._state += 1
                 assert self.matcher.consume_token(run[valid]), self.matcher.get_error()
                 self.block_run.append(run[valid])
                 self.stopped = True
@@ -172,27 +190,34 @@ class RowGrammar:
             if valid < len(run):  # rejected: it and everything after it go back
                 gen[at + valid:] = mask_id
                 taken_back = True
-            if not self._fast_forward(gen, len(self.block_run)):
+            wrote = self._fast_forward(gen, len(self.block_run))
+            forced_count += wrote
+            if not wrote:
                 break  # (else: check what follows the forced text)
+        if taken_back:
+            self.forced = True
+        elif len(self.block_run) - start > 1 + forced_count:
+            self.forced = False
         self.mask_seconds += time.perf_counter() - t0
         return tokens, taken_back
 
     def _ate_eos(self) -> bool:
         return bool(self.block_run) and self.block_run[-1] in self.compiler.eos_token_ids
 
-    def _fast_forward(self, gen: np.ndarray, at: int) -> bool:
+    def _fast_forward(self, gen: np.ndarray, at: int) -> int:
         """Write the tokens the grammar forces from ``at`` (a schema's fixed text) into the block (over masks or
-        provisional tokens). Returns whether it wrote any."""
-        wrote = False
+        provisional tokens). Returns how many it wrote."""
+        wrote = 0
         while at < gen.size:
             forced = self.matcher.compute_ff_tokens()[:gen.size - at]
             if not forced:
                 break
+            self._state += 1
             assert self.matcher.consume_tokens(forced), self.matcher.get_error()
             gen[at:at + len(forced)] = forced
             self.block_run += forced
             at += len(forced)
-            wrote = True
+            wrote += len(forced)
         return wrote
 
     # -- canvases (DiffusionGemma) ----------------------------------------------------------------
@@ -206,6 +231,7 @@ class RowGrammar:
 
         t0 = time.perf_counter()
         m = self.matcher
+        self._state += 1
         valid = m.validate_tokens(canvas)
         if valid:
             assert m.consume_tokens(canvas[:valid]), m.get_error()
@@ -245,9 +271,17 @@ class RowGrammar:
         if self.stopped:
             return False
         t0 = time.perf_counter()
-        self.matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
-        if self.matcher.is_error():
-            raise RuntimeError(f"grammar: {self.matcher.get_error()}")
-        out &= self.compiler.allowed_ever
-        self.mask_seconds += time.perf_counter() - t0
+        if self._mask is not None and self._mask[0] == self._state:
+            out[:] = self._mask[1]
+            self.masks_reused += 1
+        else:
+            self.matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+            if self.matcher.is_error():
+                raise RuntimeError(f"grammar: {self.matcher.get_error()}")
+            out &= self.compiler.allowed_ever
+            self._mask = (self._state, out.copy())
+            self.masks_computed += 1
+        dt = time.perf_counter() - t0
+        self.mask_seconds += dt
+        self.fill_seconds += dt
         return True

@@ -294,9 +294,9 @@ class MaskBlocks(MaskCommit):
         """FDFO: how many steps the call may run on the device before the batch comes back (it stops anyway when
         the first row is done). One when the batch should change sooner: a waiting request could join now, a
         running one is still prefilling, a row streams its provisional block after every step, or refresh rows
-        ride along (they would be recomputed at every further step), or a row is constrained (its next mask
-        depends on this step's tokens)."""
-        if (refresh or any(r.provisional or r.grammar is not None for r in reqs)
+        ride along (they would be recomputed at every further step). A constrained row does not cut it: the device
+        stops after the step in which a constrained row decides its frontier (its mask holds until then)."""
+        if (refresh or any(r.provisional for r in reqs)
                 or (self.s.waiting and len(self.s.running) < self.s.max_running)
                 or any(r.phase is Phase.PREFILL for r in self.s.running)):
             return 1
