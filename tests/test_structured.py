@@ -89,6 +89,16 @@ def test_every_grammar_holds_and_an_unconstrained_neighbour_is_unchanged(engine)
     assert compiled_executables() == before  # the grammar variant was compiled at warm-up: nothing since
 
 
+def test_a_constrained_row_keeps_the_device_loop(engine):
+    """Under a regex every answer meets, a constrained request's calls run more than one forward on average (the
+    loop goes on until the row decides its frontier, no longer one step per call)."""
+    stats = engine.scheduler.stats
+    calls, forwards = stats["denoise_calls"], stats["denoise_forwards"]
+    out = engine.generate("What is 12 + 7?", sampling_params={"max_new_tokens": 48, "regex": "[^\\x00]*"})
+    assert stats["denoise_calls"] - calls < stats["denoise_forwards"] - forwards
+    assert engine.mask_token_id not in out["output_ids"]
+
+
 @pytest.mark.parametrize("params, field, reason", [
     ({"json_schema": "{not json"}, "sampling_params.json_schema", "not valid JSON"),
     ({"json_schema": '{"type": "object", "properties": {"a": {"$ref": "#/nope"}}}'}, "sampling_params.json_schema",
@@ -269,6 +279,9 @@ def test_the_device_functions_of_the_grammar_variant():
     new = jnp.asarray([[1, 8, 40, 9], [1, 8, 9, mask_id]])
     kept = gm.keep_run(block, new, immutable, active, mask_id=mask_id)
     assert np.asarray(kept).tolist() == [[1, 7, 40, 9], [1, 8, 9, mask_id]]
+    # a frontier the row ran BEHIND_LIMIT decided positions past is decided in the next step
+    ahead = jnp.asarray([[1, mask_id, 5, 6, 7, mask_id], [1, 4, mask_id, 6, mask_id, 7]])
+    assert np.asarray(gm.behind(ahead, jnp.zeros((2, 6), bool).at[:, 0].set(True), mask_id)).tolist() == [3, 2]
     # the device loop goes on while no active row decided its frontier (its mask still holds)
     assert not bool(gm.frontier_decided(block, block.at[0, 3].set(9), immutable, active, mask_id))
     assert bool(gm.frontier_decided(block, kept, immutable, active, mask_id))

@@ -63,6 +63,18 @@ def pick_allowed(logits_f, allowed, *, mask_id: int, sample_fn=None):
     return token
 
 
+# A frontier left undecided while the row decided this many positions past it (unchecked, provisional) is decided
+# in the next step: the model's order skips it, and what it decides meanwhile may all go back at the host's check.
+BEHIND_LIMIT = 3
+
+
+def behind(tokens, immutable, mask_id: int):
+    """[R] int32: positions decided past each row's frontier (provisional: the host has not checked them)."""
+    pos, _ = frontier(tokens, immutable, mask_id)
+    past = jnp.arange(tokens.shape[1])[None, :] > pos[:, None]
+    return jnp.sum(past & (tokens != mask_id) & ~immutable, axis=-1)
+
+
 def masked_figures(z, token):
     """``z [R, V]`` allowed logits (-inf elsewhere), the frontier's ``token [R]`` -> (its probability under the
     masked distribution, that distribution's entropy): the frontier's confidence and entropy. The algorithm
@@ -151,7 +163,7 @@ def constrain(hidden, logits, batch, cand, *, mask_id: int, head, sample=None, t
     token_f = pick_allowed(z, allowed, mask_id=mask_id, sample_fn=sample_fn)
     zm = allowed_logits(z, allowed, mask_id=mask_id)
     conf_f, ent_f = masked_figures(zm, token_f)
-    forced = g.forced  # (the host asks for the frontier in this step: confidence 1, entropy 0)
+    forced = g.forced | (behind(batch.tokens, batch.immutable, mask_id) >= BEHIND_LIMIT)
     conf_f, ent_f = jnp.where(forced, 1.0, conf_f), jnp.where(forced, 0.0, ent_f)
     tokens, confidence, entropy = constrain_frontier(cand.tokens, cand.confidence, cand.entropy, batch.tokens,
                                                      batch.immutable, g.active, token_f, conf_f, ent_f,

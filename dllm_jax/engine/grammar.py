@@ -129,10 +129,10 @@ class RowGrammar:
         # mask again without computing it.
         self._state = 0
         # Whether the device decides the frontier in the next step whatever its confidence (see
-        # grammar_mask.py): set when a check takes back a token the model decided (the model's text breaks the
-        # grammar: a token a step from the mask, and a host check, each step), cleared when a check accepts tokens
-        # it decided past the frontier (its text meets the grammar: the algorithm's own order, and the device
-        # loop, go on, so a grammar the model's text meets changes nothing it decodes).
+        # grammar_mask.py): from a check that took back a token the model decided (its text breaks the grammar)
+        # to the end of the block: then each step advances the frontier by a token from the mask, as the host
+        # checks each step. Until then the algorithm decides the frontier by its confidence under the mask, in
+        # its own order, and the device loop goes on: a grammar the model's text meets changes nothing it decodes.
         self.forced = False
         self._mask: tuple[int, np.ndarray] | None = None
 
@@ -143,10 +143,11 @@ class RowGrammar:
             self.matcher.rollback(len(self.block_run))
             self.block_run = []
             self._state += 1
-        self.stopped = False  # (committed outputs hold no EOS: it would have ended the request)
+        self.stopped = self.forced = False  # (committed outputs hold no EOS: it would have ended the request)
 
     def block_committed(self) -> None:
         self.block_run = []
+        self.forced = False
 
     def check_block(self, tokens: np.ndarray, immutable: np.ndarray, mask_id: int) -> tuple[np.ndarray, bool]:
         """``tokens``: the row's block after a call. Returns (the block with the decided run from its start checked:
@@ -170,7 +171,6 @@ class RowGrammar:
             self.block_run = self.block_run[:common]
             self.stopped = self._ate_eos()
         taken_back = False
-        start, forced_count = len(self.block_run), 0
         while not self.stopped:
             at = len(self.block_run)
             holes = np.flatnonzero(gen[at:] == mask_id)
@@ -190,14 +190,9 @@ class RowGrammar:
             if valid < len(run):  # rejected: it and everything after it go back
                 gen[at + valid:] = mask_id
                 taken_back = True
-            wrote = self._fast_forward(gen, len(self.block_run))
-            forced_count += wrote
-            if not wrote:
+            if not self._fast_forward(gen, len(self.block_run)):
                 break  # (else: check what follows the forced text)
-        if taken_back:
-            self.forced = True
-        elif len(self.block_run) - start > 1 + forced_count:
-            self.forced = False
+        self.forced |= taken_back
         self.mask_seconds += time.perf_counter() - t0
         return tokens, taken_back
 
