@@ -135,8 +135,8 @@ def test_sampling_n_choices_streaming_and_the_prefix_cache(engine):
 @pytest.mark.slow
 def test_retraction_and_the_sync_schedule_keep_answers_valid(make_engine):
     """A pool too small for every request forces retractions mid-answer (the grammar forgets the dropped block and
-    the re-admitted request goes on from its committed tokens); the synchronous schedule (the device loop stops
-    after one step when a row is constrained) too."""
+    the re-admitted request goes on from its committed tokens); the synchronous schedule (its device loop stops
+    after the step in which a constrained row decides its frontier) too."""
     for kw in ({"num_kv_pages": 6, "max_running_requests": 6}, {"schedule": "sync", "max_running_requests": 6}):
         eng = make_engine(None, warmup=False, shape_buckets=BUCKETS, **kw)
         params = [{"max_new_tokens": 120, kind: text} for kind, text in CASES]

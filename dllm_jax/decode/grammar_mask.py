@@ -8,7 +8,10 @@ checked), and whether the row is constrained at all. Here:
 1. :func:`constrain_frontier`: the frontier's candidate becomes the best allowed token (greedy rows: the argmax of
    the allowed logits; sampled rows: a draw from them, with the row's temperature, top-k and top-p), the mask id
    never among them, with its confidence and entropy under that masked distribution (:func:`masked_figures`):
-   the algorithm decides the frontier when it would decide any position as sure of its token;
+   the algorithm decides the frontier when it would decide any position as sure of its token. *Forced* rows
+   (confidence 1, entropy 0: decided in this step) are those the host marks (the model broke the grammar in this
+   block) and those that decided :data:`BEHIND_LIMIT` positions past their frontier (:func:`behind`: the
+   model's order skips it, and what it decides meanwhile is unchecked);
 2. :func:`keep_run`: after the algorithm's update, an edit of a decided token is not taken. The host checks the
    decided run from the block's start and takes back the first token the grammar rejects and everything after
    it; a token decided past an undecided position stays provisional (unchecked, never committed) until the run

@@ -12,18 +12,23 @@ against the step by ``python -m bench.structured``. It reads JSON schema, regex 
 why one does not compile (the 400's reason).
 
 **How a block decoded out of order stays valid by construction** (a left-to-right engine cannot check a block
-with holes). Per step, a constrained row's *frontier* (its first undecided position; every position before it is
-decided and checked) takes its token from the grammar's mask given the decided prefix (the device applies the
-packed bitmask, :mod:`dllm_jax.decode.grammar_mask`), and the algorithm must commit it. Other positions commit
-as the algorithm decides; after the call the host checks the decided run from the frontier with
-``validate_tokens`` and takes back its first invalid token and everything after it
+with holes). A constrained row's *frontier* (its first undecided position; every position before it is decided
+and checked) takes its token from the grammar's mask given the decided prefix (the device applies the packed
+bitmask, :mod:`dllm_jax.decode.grammar_mask`), with its confidence under that masked distribution: the algorithm
+decides it as it decides any position, in its own order, and the device loop goes on (the mask holds until the
+frontier is decided; the call ends after the step that decides some row's). The frontier is *forced* (decided in
+the next step whatever its confidence) once the row has decided 3 positions past it, or, for the rest of the
+block, once the model wrote a token the grammar rejected: then each step advances it by a token from the mask.
+Other positions commit as the algorithm decides; after the call the host checks the decided run from the frontier
+with ``validate_tokens`` and takes back its first invalid token and everything after it
 (:meth:`RowGrammar.check_block`). A token decided past an undecided position stays *provisional*: unchecked, the
 block not committed, until the run reaches and checks it (then it stays or goes back). So every committed token is
-a valid continuation, the frontier's token always is (each step makes progress), EOS commits only where the grammar
-accepts, and the mask id is never a candidate. Keeping provisional tokens keeps the model's parallel, out-of-order
-commits wherever they turn out valid (tokens per forward under a constraint the model's own text meets:
-``python -m bench.structured``). Text the grammar forces (a schema's keys and punctuation) is
-written into the block by the host (llguidance's fast-forward tokens) without waiting for the model. A DINGO-style
+a valid continuation, the frontier's token always is, EOS commits only where the grammar accepts, and the mask id
+is never a candidate. Keeping provisional tokens keeps the model's parallel, out-of-order commits wherever they
+turn out valid (tokens per forward under a constraint the model's own text meets: ``python -m bench.structured``).
+Text the grammar forces (a schema's keys and punctuation) is written into the block by the host (llguidance's
+fast-forward tokens) without waiting for the model. A row whose frontier did not move in a call gets its last mask
+again (the matcher state unchanged), not recomputed. A DINGO-style
 automaton over the whole block would constrain every position of the block in one step, but only for regular
 languages (no EBNF, no recursive schemas) and with a per-step dynamic program over ``[B, states, V]`` on the
 device; the frontier rule covers every grammar llguidance reads, keeps parallel commits that turn out valid, and
@@ -122,7 +127,6 @@ class RowGrammar:
         self.block_run: list[int] = []
         self.stopped = False  # the grammar consumed EOS: the rest of the answer is cut at it
         self.mask_seconds = 0.0  # host time spent in masks and checks (bench.structured reads it)
-        self.fill_seconds = 0.0  # of which in computing masks (the part right before a call)
         self.masks_computed = self.masks_reused = 0
         # The last mask and the matcher state it was computed in (``_state``: bumped at every consume / rollback):
         # a row whose frontier did not move in a call (the device loop stopped for another row's) gets the same
@@ -276,7 +280,5 @@ class RowGrammar:
             out &= self.compiler.allowed_ever
             self._mask = (self._state, out.copy())
             self.masks_computed += 1
-        dt = time.perf_counter() - t0
-        self.mask_seconds += dt
-        self.fill_seconds += dt
+        self.mask_seconds += time.perf_counter() - t0
         return True
