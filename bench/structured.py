@@ -22,6 +22,7 @@ overhead target (<= 10% at 16 requests) is read on ``loose`` vs ``none`` tok/s (
 that writes the same text); ``json`` shows what a real schema does to a model that knows no JSON.
 
     python -m bench.structured [--model-path DIR] [--concurrency 1,16] [--reps 3] [--max-new-tokens 64]
+                               [--grammar-frontier forced|model]
 """
 
 from __future__ import annotations
@@ -102,9 +103,12 @@ def main(argv=None) -> dict:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--out", default="bench_out/structured.json")
+    p.add_argument("--grammar-frontier", default=None, choices=("forced", "model"),
+                   help="EngineConfig.grammar_frontier (default: the engine's)")
     args = p.parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",")]
-    engine = Engine(args.model_path, max_running_requests=max(levels), warmup=False)
+    extra = {"grammar_frontier": args.grammar_frontier} if args.grammar_frontier else {}
+    engine = Engine(args.model_path, max_running_requests=max(levels), warmup=False, **extra)
     engine.warmup(grammar=True)
     examples = tasks.heldout_set(max(levels) * (args.reps + 1))
     results: dict = {}

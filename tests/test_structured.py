@@ -89,14 +89,24 @@ def test_every_grammar_holds_and_an_unconstrained_neighbour_is_unchanged(engine)
     assert compiled_executables() == before  # the grammar variant was compiled at warm-up: nothing since
 
 
-def test_a_constrained_row_keeps_the_device_loop(engine):
-    """Under a regex every answer meets, a constrained request's calls run more than one forward on average (the
-    loop goes on until the row decides its frontier, no longer one step per call)."""
-    stats = engine.scheduler.stats
+@pytest.mark.slow
+def test_the_model_frontier_keeps_the_device_loop_and_every_grammar(make_engine):
+    """grammar_frontier "model": the algorithm decides a constrained frontier by its confidence under the mask, so
+    a constrained request's calls run more than one forward on average (the loop goes on until the row decides
+    its frontier); every grammar still holds; an unconstrained neighbour is unchanged."""
+    eng = make_engine(None, warmup=False, shape_buckets=BUCKETS, grammar_frontier="model", max_running_requests=8)
+    stats = eng.scheduler.stats
     calls, forwards = stats["denoise_calls"], stats["denoise_forwards"]
-    out = engine.generate("What is 12 + 7?", sampling_params={"max_new_tokens": 48, "regex": "[^\\x00]*"})
+    out = eng.generate("What is 12 + 7?", sampling_params={"max_new_tokens": 48, "regex": "[^\\x00]*"})
     assert stats["denoise_calls"] - calls < stats["denoise_forwards"] - forwards
-    assert engine.mask_token_id not in out["output_ids"]
+    assert eng.mask_token_id not in out["output_ids"]
+    params = [{"max_new_tokens": 96, kind: text} for kind, text in CASES] + [{"max_new_tokens": 64}]
+    outs = eng.generate(PROMPTS + ["What is 12 + 7?"], sampling_params=params)
+    for (kind, text), o in zip(CASES, outs):
+        check(kind, text, o, eng)
+    plain = eng.generate(PROMPTS + ["What is 12 + 7?"], sampling_params=[{"max_new_tokens": 96}] * len(CASES)
+                         + [{"max_new_tokens": 64}])
+    assert outs[-1]["output_ids"] == plain[-1]["output_ids"]
 
 
 @pytest.mark.parametrize("params, field, reason", [

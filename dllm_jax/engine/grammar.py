@@ -14,11 +14,14 @@ why one does not compile (the 400's reason).
 **How a block decoded out of order stays valid by construction** (a left-to-right engine cannot check a block
 with holes). A constrained row's *frontier* (its first undecided position; every position before it is decided
 and checked) takes its token from the grammar's mask given the decided prefix (the device applies the packed
-bitmask, :mod:`dllm_jax.decode.grammar_mask`), with its confidence under that masked distribution: the algorithm
-decides it as it decides any position, in its own order, and the device loop goes on (the mask holds until the
-frontier is decided; the call ends after the step that decides some row's). The frontier is *forced* (decided in
-the next step whatever its confidence) once the row has decided 3 positions past it, or, for the rest of the
-block, once the model wrote a token the grammar rejected: then each step advances it by a token from the mask.
+bitmask, :mod:`dllm_jax.decode.grammar_mask`). With ``EngineConfig.grammar_frontier`` "forced" (the default) the
+algorithm decides it at every step, so each step advances it by a token from the mask and the call ends after
+that step. With "model" its confidence is that of the masked distribution and the algorithm decides it as it
+decides any position, in its own order; the device loop goes on until some row decides its frontier (the mask
+holds until then), and the frontier is forced once the row decided 3 positions past it, or for the rest of the
+block once the model wrote a token the grammar rejected. On the shipped model, which decodes out of order and
+knows no JSON, "forced" gives the most tokens per forward and the loop under "model" rarely runs past a step
+(``python -m bench.structured --grammar-frontier model``; bench/RESULTS.md).
 Other positions commit as the algorithm decides; after the call the host checks the decided run from the frontier
 with ``validate_tokens`` and takes back its first invalid token and everything after it
 (:meth:`RowGrammar.check_block`). A token decided past an undecided position stays *provisional*: unchecked, the
@@ -87,11 +90,13 @@ class GrammarCompiler:
     model), the bitmask width, and :meth:`compile` (a ValueError naming the field and llguidance's reason for a
     grammar it cannot use)."""
 
-    def __init__(self, tokenizer, *, vocab_size: int, eos_token_ids: tuple[int, ...], mask_id: int | None):
+    def __init__(self, tokenizer, *, vocab_size: int, eos_token_ids: tuple[int, ...], mask_id: int | None,
+                 forced: bool = True):
         import llguidance
         import llguidance.hf
 
         self.vocab_size = vocab_size
+        self.forced = forced  # (EngineConfig.grammar_frontier: every row's frontier forced at every step)
         self.words = (vocab_size + 31) // 32
         self.mask_id = mask_id
         self.eos_token_ids = tuple(eos_token_ids)
@@ -133,11 +138,10 @@ class RowGrammar:
         # mask again without computing it.
         self._state = 0
         # Whether the device decides the frontier in the next step whatever its confidence (see
-        # grammar_mask.py): from a check that took back a token the model decided (its text breaks the grammar)
-        # to the end of the block: then each step advances the frontier by a token from the mask, as the host
-        # checks each step. Until then the algorithm decides the frontier by its confidence under the mask, in
-        # its own order, and the device loop goes on: a grammar the model's text meets changes nothing it decodes.
-        self.forced = False
+        # grammar_mask.py): always with grammar_frontier "forced"; else from a check that took back a token the
+        # model decided (its text breaks the grammar) to the end of the block. Until then the algorithm decides
+        # the frontier by its confidence under the mask, in its own order, and the device loop goes on.
+        self.forced = compiler.forced
         self._mask: tuple[int, np.ndarray] | None = None
 
     # -- blocks ---------------------------------------------------------------------------------
@@ -147,11 +151,12 @@ class RowGrammar:
             self.matcher.rollback(len(self.block_run))
             self.block_run = []
             self._state += 1
-        self.stopped = self.forced = False  # (committed outputs hold no EOS: it would have ended the request)
+        self.stopped = False  # (committed outputs hold no EOS: it would have ended the request)
+        self.forced = self.compiler.forced
 
     def block_committed(self) -> None:
         self.block_run = []
-        self.forced = False
+        self.forced = self.compiler.forced
 
     def check_block(self, tokens: np.ndarray, immutable: np.ndarray, mask_id: int) -> tuple[np.ndarray, bool]:
         """``tokens``: the row's block after a call. Returns (the block with the decided run from its start checked:
@@ -246,6 +251,7 @@ class RowGrammar:
                 if pick is None:
                     pick = self._any_allowed()
             assert m.consume_token(pick), m.get_error()
+            self._state += 1
             out.append(pick)
         self.mask_seconds += time.perf_counter() - t0
         return out
