@@ -230,8 +230,10 @@ class MaskBlocks(MaskCommit):
         loop_cap = self._loop_cap(reqs, refresh)
         # FDFO chains calls of up to CHAIN_MAX_ROWS requests; the synchronous schedule a request running alone (its
         # rows stay in step: a row that goes on while another decodes would leave the batch's block behind)
+        # (not beside a constrained row: its call ends when it decides its frontier, and the grammar step with
+        # chain tables is one more variant to compile)
         chains = (loop_cap > 1 and len(reqs) <= (1 if self.runner.loop else CHAIN_MAX_ROWS)
-                  and self.runner.can_chain(len(reqs) + len(refresh)))
+                  and self.runner.can_chain(len(reqs) + len(refresh)) and all(r.grammar is None for r in reqs))
         chain_pages = self._reserve_chain_pages(reqs) if chains else {}
         if chain_pages and self.runner.compiler.compiles_in_background(self._call_key(reqs, refresh, chain_pages)):
             for pages in chain_pages.values():  # the wider page table chaining needs is not compiled: no chaining
