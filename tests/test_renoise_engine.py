@@ -103,6 +103,36 @@ def test_host_overlap_encodes_arrivals_while_a_canvas_runs(reference, fdfo):
     engine.scheduler.check_pages()
 
 
+@pytest.mark.parametrize("lost", ["state", "pool"])
+def test_a_call_that_loses_its_buffers_fails_its_requests_and_the_engine_serves_on(model_dir, reference, fdfo,
+                                                                                  monkeypatch, lost):
+    """A denoise call that raises after it took the donated per-slot state, or an encode after it took the KV
+    pool: the running requests fail, the prefix index is emptied, fresh buffers replace the lost ones (as the
+    mask runner's pool) and the next requests get the loop's answers."""
+    import jax
+
+    engine, runner = fdfo, fdfo.runner
+    engine.generate(input_ids=PROMPTS[2], sampling_params={"max_new_tokens": 4, "seed": 1})  # a page cached
+    name, arg = ("_denoise", 1) if lost == "state" else ("_encode", "kv_pages")
+    real = getattr(runner, name)
+
+    def failing(*args, **kwargs):
+        for x in jax.tree.leaves(args[arg] if isinstance(arg, int) else kwargs[arg]):
+            x.delete()
+        raise RuntimeError("device lost mid-call")
+
+    monkeypatch.setattr(runner, name, failing)
+    params = [{"max_new_tokens": 10, "seed": 40 + i, "ignore_eos": True} for i in range(3)]
+    failed = engine.generate(input_ids=[PROMPTS[0], PROMPTS[1]], sampling_params=params[:2])
+    assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in failed)
+    assert engine.scheduler.policy.index.held() == ([], [])
+    engine.scheduler.check_pages()
+    monkeypatch.setattr(runner, name, real)
+    outs = engine.generate(input_ids=PROMPTS, sampling_params=params)
+    assert [o["output_ids"] for o in outs] == [reference[i].output_ids for i in range(3)]
+    engine.scheduler.check_pages()
+
+
 def test_retraction_keeps_the_answers(model_dir, fdfo):
     """A full-layer pool of 3 usable pages (16 tokens each) cannot hold two requests growing to 35 and 29 tokens:
     the newer one is retracted, re-admitted later, and both answers are those of an engine with room."""
