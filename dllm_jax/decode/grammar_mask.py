@@ -35,6 +35,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from dllm_jax.decode.rows import is_sampled
+
 
 def unpack_bitmask(words, vocab: int):
     """``words [R, G] int32`` (bit ``v % 32`` of word ``v // 32``) -> ``[R, vocab]`` bool."""
@@ -162,7 +164,7 @@ def constrain(hidden, logits, batch, cand, *, mask_id: int, head, sample=None, t
     sample_fn = None
     if sample is not None:
         def sample_fn(z3):
-            return sample(z3), batch.temperature > 0
+            return sample(z3), is_sampled(batch.temperature, batch.top_k)
     token_f = pick_allowed(z, allowed, mask_id=mask_id, sample_fn=sample_fn)
     zm = allowed_logits(z, allowed, mask_id=mask_id)
     conf_f, ent_f = masked_figures(zm, token_f)

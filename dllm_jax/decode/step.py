@@ -193,7 +193,7 @@ def candidates(params, hidden, batch: DenoiseBatch, spec: StepSpec) -> tuple[Can
             tokens = jnp.where(penalised, jnp.argmax(logits, axis=-1).astype(jnp.int32), tokens)
             confidence = jnp.where(penalised, jnp.exp(top - jax.nn.logsumexp(logits, axis=-1)), confidence)
         entropy = entropy_of(logits, algo.entropy_eps) if algo.needs_entropy else None
-        sampled_rows = batch.temperature > 0
+        sampled_rows = is_sampled(batch.temperature, batch.top_k)  # top-k 1 is greedy: it edits as one
         if spec.sampling:
             drawn, relative = _sample(logits, batch)
             tokens = jnp.where(sampled_rows[:, None], drawn, tokens)
