@@ -528,6 +528,19 @@ def test_top_k_one_is_greedy(tiny_model, make_engine):
     assert out["output_ids"] == greedy
 
 
+def test_top_k_one_is_greedy_beside_a_sampled_row(tiny_model, make_engine):
+    """A top-k 1 row is greedy (decode.rows.is_sampled) on the device too: batched beside a sampled row it still
+    edits like a greedy row (JointThreshold's T2T edits skip sampled rows only), so its tokens are its own."""
+    engine = make_engine(tiny_model, algorithm="JointThreshold", algorithm_config={"threshold": 0.9},
+                         **ENGINE_KW)
+    params = {**ALGO_PARAMS, "temperature": 2.0, "top_k": 1}
+    alone = [engine.generate(input_ids=p, sampling_params=params)["output_ids"] for p in ALGO_PROMPTS[:2]]
+    sampled = {**ALGO_PARAMS, "temperature": 1.0, "seed": 3}
+    outs = engine.generate(input_ids=[ALGO_PROMPTS[0], ALGO_PROMPTS[2], ALGO_PROMPTS[1]],
+                           sampling_params=[params, sampled, params])
+    assert [outs[0]["output_ids"], outs[2]["output_ids"]] == alone
+
+
 def _nucleus_reference(row_logits, k, p):
     """The kept set of one position's logits under top-k / top-p, from the sorted order (NumPy, float64)."""
     order = np.argsort(-row_logits, kind="stable")

@@ -71,6 +71,68 @@ def test_engine_answers_equal_the_loop(model_dir, reference, schedule, fdfo):
             engine.shutdown()
 
 
+def test_host_overlap_encodes_arrivals_while_a_canvas_runs(reference, fdfo):
+    """Host overlap as for every family (engine/rounds.py): requests that arrive while a denoise call runs are
+    admitted and encoded before that call is read (``Scheduler.schedule_ahead``), with the loop's answers."""
+    engine, scheduler = fdfo, fdfo.scheduler
+    assert engine.host_overlap
+    plan, planned, late = scheduler.schedule_ahead, [], []
+
+    def schedule_ahead():
+        call = plan()
+        planned.extend([len(r.real_ids) for r in call.reqs] if call is not None else [])
+        return call
+
+    def params(i):
+        return {"max_new_tokens": 10, "seed": 40 + i, "ignore_eos": True}
+
+    def on_event(req, event):  # FIRST's first event: delivered while its next denoise call runs
+        if not late:
+            late.extend(engine.submit(engine.make_request(PROMPTS[i], params(i))) for i in (1, 2))
+
+    scheduler.schedule_ahead = schedule_ahead
+    try:
+        first = engine.submit(engine.make_request(PROMPTS[0], params(0), on_event=on_event, provisional=True))
+        for _ in range(2000):
+            if not engine.step():
+                break
+    finally:
+        del scheduler.schedule_ahead
+    assert planned and planned[0] == len(PROMPTS[1])  # one slot was free: the first arrival encoded meanwhile
+    assert [r.output_ids for r in [first, *late]] == [reference[i].output_ids for i in range(3)]
+    engine.scheduler.check_pages()
+
+
+@pytest.mark.parametrize("lost", ["state", "pool"])
+def test_a_call_that_loses_its_buffers_fails_its_requests_and_the_engine_serves_on(model_dir, reference, fdfo,
+                                                                                  monkeypatch, lost):
+    """A denoise call that raises after it took the donated per-slot state, or an encode after it took the KV
+    pool: the running requests fail, the prefix index is emptied, fresh buffers replace the lost ones (as the
+    mask runner's pool) and the next requests get the loop's answers."""
+    import jax
+
+    engine, runner = fdfo, fdfo.runner
+    engine.generate(input_ids=PROMPTS[2], sampling_params={"max_new_tokens": 4, "seed": 1})  # a page cached
+    name, arg = ("_denoise", 1) if lost == "state" else ("_encode", "kv_pages")
+    real = getattr(runner, name)
+
+    def failing(*args, **kwargs):
+        for x in jax.tree.leaves(args[arg] if isinstance(arg, int) else kwargs[arg]):
+            x.delete()
+        raise RuntimeError("device lost mid-call")
+
+    monkeypatch.setattr(runner, name, failing)
+    params = [{"max_new_tokens": 10, "seed": 40 + i, "ignore_eos": True} for i in range(3)]
+    failed = engine.generate(input_ids=[PROMPTS[0], PROMPTS[1]], sampling_params=params[:2])
+    assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in failed)
+    assert engine.scheduler.policy.index.held() == ([], [])
+    engine.scheduler.check_pages()
+    monkeypatch.setattr(runner, name, real)
+    outs = engine.generate(input_ids=PROMPTS, sampling_params=params)
+    assert [o["output_ids"] for o in outs] == [reference[i].output_ids for i in range(3)]
+    engine.scheduler.check_pages()
+
+
 def test_retraction_keeps_the_answers(model_dir, fdfo):
     """A full-layer pool of 3 usable pages (16 tokens each) cannot hold two requests growing to 35 and 29 tokens:
     the newer one is retracted, re-admitted later, and both answers are those of an engine with room."""

@@ -357,6 +357,10 @@ def test_hostile_body_is_refused_at_once_and_stalls_nothing(server):
     keys = {f"{i:x}": 1 for i in range(700_000)}
     bodies = [("/generate", {"text": "hi", "sampling_params": keys}), ("/generate", {"text": "hi", **keys}),
               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}] * 175_000})]
+    # encoded before the poller starts: a json.dumps in this process holds its GIL, and a /health answer the poller
+    # cannot read meanwhile would count as the server's stall
+    bodies = [(path, json.dumps(body, separators=(",", ":")).encode()) for path, body in bodies]
+    del keys
     asked, stop = [], threading.Event()
 
     def poll():
@@ -376,8 +380,7 @@ def test_hostile_body_is_refused_at_once_and_stalls_nothing(server):
         spans = []
         try:
             time.sleep(0.2)
-            for path, body in bodies:
-                content = json.dumps(body, separators=(",", ":")).encode()
+            for path, content in bodies:
                 t0 = time.perf_counter()
                 r = c.post(path, content=content, headers=JSON)
                 spans.append((t0, time.perf_counter()))

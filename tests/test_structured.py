@@ -89,6 +89,26 @@ def test_every_grammar_holds_and_an_unconstrained_neighbour_is_unchanged(engine)
     assert compiled_executables() == before  # the grammar variant was compiled at warm-up: nothing since
 
 
+@pytest.mark.slow
+def test_the_model_frontier_keeps_the_device_loop_and_every_grammar(make_engine):
+    """grammar_frontier "model": the algorithm decides a constrained frontier by its confidence under the mask, so
+    a constrained request's calls run more than one forward on average (the loop goes on until the row decides
+    its frontier); every grammar still holds; an unconstrained neighbour is unchanged."""
+    eng = make_engine(None, warmup=False, shape_buckets=BUCKETS, grammar_frontier="model", max_running_requests=8)
+    stats = eng.scheduler.stats
+    calls, forwards = stats["denoise_calls"], stats["denoise_forwards"]
+    out = eng.generate("What is 12 + 7?", sampling_params={"max_new_tokens": 48, "regex": "[^\\x00]*"})
+    assert stats["denoise_calls"] - calls < stats["denoise_forwards"] - forwards
+    assert eng.mask_token_id not in out["output_ids"]
+    params = [{"max_new_tokens": 96, kind: text} for kind, text in CASES] + [{"max_new_tokens": 64}]
+    outs = eng.generate(PROMPTS + ["What is 12 + 7?"], sampling_params=params)
+    for (kind, text), o in zip(CASES, outs):
+        check(kind, text, o, eng)
+    plain = eng.generate(PROMPTS + ["What is 12 + 7?"], sampling_params=[{"max_new_tokens": 96}] * len(CASES)
+                         + [{"max_new_tokens": 64}])
+    assert outs[-1]["output_ids"] == plain[-1]["output_ids"]
+
+
 @pytest.mark.parametrize("params, field, reason", [
     ({"json_schema": "{not json"}, "sampling_params.json_schema", "not valid JSON"),
     ({"json_schema": '{"type": "object", "properties": {"a": {"$ref": "#/nope"}}}'}, "sampling_params.json_schema",
@@ -125,8 +145,8 @@ def test_sampling_n_choices_streaming_and_the_prefix_cache(engine):
 @pytest.mark.slow
 def test_retraction_and_the_sync_schedule_keep_answers_valid(make_engine):
     """A pool too small for every request forces retractions mid-answer (the grammar forgets the dropped block and
-    the re-admitted request goes on from its committed tokens); the synchronous schedule (the device loop stops
-    after one step when a row is constrained) too."""
+    the re-admitted request goes on from its committed tokens); the synchronous schedule (its device loop stops
+    after the step in which a constrained row decides its frontier) too."""
     for kw in ({"num_kv_pages": 6, "max_running_requests": 6}, {"schedule": "sync", "max_running_requests": 6}):
         eng = make_engine(None, warmup=False, shape_buckets=BUCKETS, **kw)
         params = [{"max_new_tokens": 120, kind: text} for kind, text in CASES]
@@ -235,7 +255,8 @@ def test_diffusion_gemma_canvases_are_constrained(dg_engine):
 
 def test_the_device_functions_of_the_grammar_variant():
     """The packed bitmask unpacks as llguidance packs it; the frontier takes the best allowed token (never the mask
-    id) with confidence 1 / entropy 0; decided tokens are not rewritten; inactive rows are untouched."""
+    id) with its confidence / entropy under the masked distribution; decided tokens are not rewritten; inactive
+    rows are untouched; the loop's stop predicate fires once an active row decides its frontier."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -256,10 +277,61 @@ def test_the_device_functions_of_the_grammar_variant():
     active = jnp.asarray([True, False])
     cand = jnp.asarray([[2, 8, 9, 9], [2, 8, 9, 9]])
     conf = jnp.full((2, 4), 0.5)
+    z = gm.allowed_logits(jnp.asarray(logits), jnp.asarray(allowed), mask_id=mask_id)
+    conf_f, ent_f = gm.masked_figures(z, jnp.asarray([40, 40]))
+    p = np.exp([0.0, 1.0, 0.0]) / np.exp([0.0, 1.0, 0.0]).sum()  # allowed 10, 40, 69 (the mask id is not)
+    assert np.isclose(float(conf_f[0]), p[1]) and np.isclose(float(ent_f[0]), -(p * np.log(p)).sum())
     tokens, confidence, entropy = gm.constrain_frontier(cand, conf, jnp.ones((2, 4)), block, immutable, active,
-                                                        jnp.asarray([40, 41]), mask_id=mask_id)
+                                                        jnp.asarray([40, 41]), conf_f, ent_f, mask_id=mask_id)
     assert np.asarray(tokens).tolist() == [[2, 8, 40, 9], [2, 8, 9, 9]]
-    assert float(confidence[0, 2]) == 1.0 and float(entropy[0, 2]) == 0.0 and float(confidence[1, 1]) == 0.5
+    assert float(confidence[0, 2]) == float(conf_f[0]) and float(entropy[0, 2]) == float(ent_f[0])
+    assert float(confidence[1, 1]) == 0.5
     new = jnp.asarray([[1, 8, 40, 9], [1, 8, 9, mask_id]])
     kept = gm.keep_run(block, new, immutable, active, mask_id=mask_id)
     assert np.asarray(kept).tolist() == [[1, 7, 40, 9], [1, 8, 9, mask_id]]
+    # a frontier the row ran BEHIND_LIMIT decided positions past is decided in the next step
+    ahead = jnp.asarray([[1, mask_id, 5, 6, 7, mask_id], [1, 4, mask_id, 6, mask_id, 7]])
+    assert np.asarray(gm.behind(ahead, jnp.zeros((2, 6), bool).at[:, 0].set(True), mask_id)).tolist() == [3, 2]
+    # the device loop goes on while no active row decided its frontier (its mask still holds)
+    assert not bool(gm.frontier_decided(block, block.at[0, 3].set(9), immutable, active, mask_id))
+    assert bool(gm.frontier_decided(block, kept, immutable, active, mask_id))
+    assert not bool(gm.frontier_decided(block, kept, immutable, jnp.asarray([False, False]), mask_id))
+
+
+def test_a_constrained_frontier_records_the_masked_distribution():
+    """The logprob record at a constrained frontier: the token's log probability and the top k under the masked
+    distribution the token was drawn from (SGLang reports logprobs after the grammar's mask too); elsewhere, and in
+    inactive rows, the step's own figures."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dllm_jax.decode import grammar_mask as gm
+
+    z = jnp.asarray([[0.0, 1.0, -jnp.inf, 2.0], [0.0, 0.0, 0.0, 0.0]])
+    logp = z - jax.nn.logsumexp(z, axis=-1, keepdims=True)
+    f = gm.FrontierScores(pos=jnp.asarray([1, 0]), at=jnp.asarray([True, False]), logp=logp)
+    tokens = jnp.asarray([[5, 3, 7], [1, 2, 3]])
+    chosen = jnp.full((2, 3), -0.5)
+    vals, ids = jnp.full((2, 3, 2), -1.0), jnp.full((2, 3, 2), 9, jnp.int32)
+    c, v, i = gm.record_frontier(f, tokens, chosen, vals, ids, lambda x: jax.lax.top_k(x, 2))
+    want = np.asarray(logp[0])
+    assert np.isclose(float(c[0, 1]), want[3]) and float(c[0, 0]) == float(c[1, 0]) == -0.5
+    assert np.asarray(i[0, 1]).tolist() == [3, 1] and np.allclose(np.asarray(v[0, 1]), want[[3, 1]])
+    assert np.asarray(i[1]).tolist() == [[9, 9]] * 3 and np.asarray(i[0, 2]).tolist() == [9, 9]
+
+
+@pytest.mark.slow
+def test_constrained_logprobs_are_those_of_the_masked_distribution(engine):
+    """An answer of one digit: its token is always decided at the frontier, so its logprob and alternatives are
+    the masked distribution's (only digits, summing to one), not the model's unconstrained ones."""
+    import numpy as np
+
+    digits = {engine.tokenizer.encode(str(d), add_special_tokens=False)[0] for d in range(10)}
+    out = engine.generate("What is 12 + 7? ", sampling_params={"max_new_tokens": 8, "regex": "[0-9]",
+                                                               "return_logprob": True, "top_logprobs_num": 12})
+    (lp, tid, _), top = out["meta_info"]["output_token_logprobs"][0], out["meta_info"]["output_top_logprobs"][0]
+    assert tid in digits
+    allowed = [(v, t) for v, t, _ in top if v > -9999.0]
+    assert {t for _, t in allowed} <= digits and np.isclose(sum(np.exp(v) for v, _ in allowed), 1.0, atol=1e-4)
+    assert np.isclose(lp, dict((t, v) for v, t in allowed)[tid], atol=1e-5)

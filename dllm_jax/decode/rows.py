@@ -86,6 +86,8 @@ PENALTY_INPUTS = (
 GRAMMAR_INPUTS = (
     Field("allowed", ("G",), "int32", -1, "bit v % 32 of word v // 32: token v allowed at the frontier"),
     Field("active", (), "bool", False, "the row is constrained (else its computation is the plain step's)"),
+    Field("forced", (), "bool", False, "the frontier is decided in this step (its model lately wrote tokens the "
+                                       "grammar rejected), else when the algorithm would decide it"),
 )
 RESULTS = (
     Field("tokens", ("B",), "int32", 0, "the block after the call"),

@@ -36,6 +36,7 @@ from dllm_jax.decode.algorithms import entropy as entropy_of
 from dllm_jax.decode import grammar_mask as gm
 from dllm_jax.decode import logprobs as lp
 from dllm_jax.decode.backends import attention_function, confidence_stats
+from dllm_jax.decode.draw import _filter_top_k_top_p, _sample  # noqa: F401 (tests import the filter from here)
 from dllm_jax.decode import rows
 from dllm_jax.decode.rows import is_sampled
 from dllm_jax.decode.packing import RowLayout
@@ -66,8 +67,8 @@ class StepSpec:
     # forward per block with identical tokens.
     fold_commit: bool = False
     penalties: bool = False  # the batch carries Penalties (some row has a penalty or bias)
-    # The batch carries GrammarMask (some row is constrained: decode/grammar_mask.py). A call with an active row
-    # runs one step (the host checks the row's run and computes its next mask after every step).
+    # The batch carries GrammarMask (some row is constrained: decode/grammar_mask.py). A looping call stops after
+    # the step in which an active row decides its frontier (the host checks the run and computes the next mask).
     grammar: bool = False
     logprobs: bool = False  # record the log probability of every token a step writes
     top_logprobs: int = 0  # and the k most likely alternatives of that forward (0: none)
@@ -159,46 +160,6 @@ def _exclude_mask(logits, mask_id):
     return logits.at[..., mask_id].set(-jnp.inf)
 
 
-def _filter_top_k_top_p(scaled, temperature, top_k, top_p):
-    """Set to -inf every logit outside the row's top-k / nucleus (per-row k and p; k <= 0 or k >= V, and p >= 1
-    are off: such a row keeps its whole vocabulary, as SGLang samples it without a top-k / top-p pass; so does a
-    greedy row, whose draw is not used). The sort over the vocabulary runs only when some sampled row of the call
-    filters (a device-side ``lax.cond``): without filters a sampled step of the shipped model costs a third of what
-    it did with the sort (``python -m bench.features``, bench/RESULTS.md)."""
-    vocab = scaled.shape[-1]
-    filters = (temperature > 0) & (((top_k > 0) & (top_k < vocab)) | (top_p < 1))
-    return jax.lax.cond(jnp.any(filters), _top_k_top_p, lambda s, *_: s, scaled, top_k, top_p, filters)
-
-
-def _top_k_top_p(scaled, top_k, top_p, filters):
-    vocab = scaled.shape[-1]
-    sorted_desc = -jnp.sort(-scaled, axis=-1)
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)[:, None, None]
-    kth = jnp.take_along_axis(sorted_desc, k - 1, axis=-1)
-    sorted_desc = jnp.where(jnp.arange(vocab) < k, sorted_desc, -jnp.inf)
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs
-    keep = before < top_p[:, None, None]
-    smallest_kept = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    cutoff = jnp.maximum(kth, smallest_kept)
-    # a row that does not filter keeps everything whatever its neighbours do (a cumulative sum that rounds up
-    # to p = 1 before the last token must not drop it in one batch and keep it in another)
-    return jnp.where((scaled >= cutoff) | ~filters[:, None, None], scaled, -jnp.inf)
-
-
-def _sample(logits, batch: DenoiseBatch):
-    """Draw a token per position for every row; returns (tokens, relative confidence). Greedy rows ignore it."""
-    temperature = jnp.where(batch.temperature > 0, batch.temperature, 1.0)
-    scaled = logits / temperature[:, None, None]
-    filtered = _filter_top_k_top_p(scaled, batch.temperature, batch.top_k, batch.top_p)
-    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(batch.seed, batch.rng_step)
-    drawn = jax.vmap(lambda k, z: jax.random.categorical(k, z, axis=-1))(keys, filtered).astype(jnp.int32)
-    top = jnp.max(logits, axis=-1)
-    drawn_logit = jnp.take_along_axis(logits, drawn[..., None], axis=-1)[..., 0]
-    relative = jnp.exp((drawn_logit - top) / temperature[:, None])
-    return drawn, relative
-
-
 @dataclasses.dataclass
 class _Scores:
     """What the logprob figures of a step are computed from (see :mod:`dllm_jax.decode.logprobs`)."""
@@ -206,6 +167,7 @@ class _Scores:
     logits: jax.Array | None  # [R, B, V] tempered logits, when the step materialised them
     hidden: jax.Array | None  # [R, B, H] otherwise, with the confidence path's lse
     lse: jax.Array | None  # [R, B]
+    frontier: Any = None  # grammar_mask.FrontierScores: a constrained frontier's masked distribution
 
 
 def candidates(params, hidden, batch: DenoiseBatch, spec: StepSpec) -> tuple[Candidates, _Scores | None]:
@@ -220,7 +182,7 @@ def candidates(params, hidden, batch: DenoiseBatch, spec: StepSpec) -> tuple[Can
         if not spec.needs_logits:
             scores = _Scores(None, hidden, lse.reshape(rows, block)) if spec.logprobs else None
             cand = Candidates(tokens=tokens, confidence=confidence)
-            return (_constrain(params, hidden, None, batch, cand, spec) if spec.grammar else cand), scores
+            return _constrain(params, hidden, None, batch, cand, spec, scores)
         logits = _family(spec).logits_from_hidden(params, hidden)
         logits = _exclude_mask(logits, spec.mask_id)
         if spec.penalties:
@@ -231,7 +193,7 @@ def candidates(params, hidden, batch: DenoiseBatch, spec: StepSpec) -> tuple[Can
             tokens = jnp.where(penalised, jnp.argmax(logits, axis=-1).astype(jnp.int32), tokens)
             confidence = jnp.where(penalised, jnp.exp(top - jax.nn.logsumexp(logits, axis=-1)), confidence)
         entropy = entropy_of(logits, algo.entropy_eps) if algo.needs_entropy else None
-        sampled_rows = batch.temperature > 0
+        sampled_rows = is_sampled(batch.temperature, batch.top_k)  # top-k 1 is greedy: it edits as one
         if spec.sampling:
             drawn, relative = _sample(logits, batch)
             tokens = jnp.where(sampled_rows[:, None], drawn, tokens)
@@ -245,15 +207,22 @@ def candidates(params, hidden, batch: DenoiseBatch, spec: StepSpec) -> tuple[Can
             scores = _Scores(tempered, None, None)
         cand = Candidates(tokens=tokens, confidence=confidence, entropy=entropy,
                           logits=logits if algo.needs_logits else None, sampled=sampled_rows)
-        return (_constrain(params, hidden, logits, batch, cand, spec) if spec.grammar else cand), scores
+        return _constrain(params, hidden, logits, batch, cand, spec, scores)
 
 
-def _constrain(params, hidden, logits, batch: DenoiseBatch, cand: Candidates, spec: StepSpec) -> Candidates:
-    """The grammar variant: each constrained row's frontier candidate (:func:`grammar_mask.constrain`)."""
+def _constrain(params, hidden, logits, batch: DenoiseBatch, cand: Candidates, spec: StepSpec, scores):
+    """The grammar variant: each constrained row's frontier candidate (:func:`grammar_mask.constrain`), and the
+    masked distribution the logprob record reports there."""
+    if not spec.grammar:
+        return cand, scores
+    t = jnp.where(is_sampled(batch.temperature, batch.top_k), batch.temperature, 1.0) if spec.sampling else (
+        jnp.ones_like(batch.temperature, jnp.float32))  # (the record's scoring temperature, as below)
     with jax.named_scope("grammar"):
-        return gm.constrain(hidden, logits, batch, cand, mask_id=spec.mask_id,
-                            head=lambda h: _family(spec).logits_from_hidden(params, h),
-                            sample=(lambda z3: _sample(z3, batch)[0]) if spec.sampling else None)
+        cand, front = gm.constrain(hidden, logits, batch, cand, mask_id=spec.mask_id,
+                                   head=lambda h: _family(spec).logits_from_hidden(params, h),
+                                   sample=(lambda z3: _sample(z3, batch)[0]) if spec.sampling else None,
+                                   temperature=t if spec.logprobs else None)
+    return cand, (dataclasses.replace(scores, frontier=front) if scores is not None else None)
 
 
 def _record(params, scores: _Scores, old_tokens, new_tokens, spec: StepSpec) -> lp.LogprobRecord:
@@ -273,6 +242,9 @@ def _record(params, scores: _Scores, old_tokens, new_tokens, spec: StepSpec) -> 
             chosen = chosen.reshape(rows, block)
             if k:
                 vals, ids = vals.reshape(rows, block, k), ids.reshape(rows, block, k)
+    if scores.frontier is not None:  # a constrained frontier: the masked distribution its token came from
+        chosen, vals, ids = gm.record_frontier(scores.frontier, new_tokens, chosen, vals, ids, (
+            lambda z: lp.top_k_last_axis(z, k, spec.mesh, shards)) if k else None)
     wrote = (new_tokens != old_tokens) & (new_tokens != spec.mask_id)
     return lp.LogprobRecord(logprob=chosen, top_logprob=vals, top_ids=ids, recorded=wrote)
 
@@ -358,11 +330,9 @@ def denoise(params, kv_pages, batch: DenoiseBatch, state: State, *, spec: StepSp
     chain = spec.chain
     max_iterations = spec.max_steps * (chain + 1)
 
-    def cond(c):
-        done, it = c["done"], c["it"]
-        if spec.grammar:  # a constrained row needs the host after every step (its next mask)
-            return jnp.where(jnp.any(batch.grammar.active) & (it >= 1), False, _cond(done, it))
-        return _cond(done, it)
+    def cond(c):  # (grammar: until a constrained row decides its frontier, whose next mask the host computes)
+        go = _cond(c["done"], c["it"])
+        return go & ~c["frontier_moved"] if spec.grammar else go
 
     def _cond(done, it):
         if spec.first_done:
@@ -385,6 +355,9 @@ def denoise(params, kv_pages, batch: DenoiseBatch, state: State, *, spec: StepSp
                    state=_where_rows(done, c["state"], new_state), fresh=jnp.where(done, True, new_fresh),
                    steps=c["steps"] + (~done).astype(jnp.int32), done=done | new_done,
                    kv_only=c["kv_only"] + settled.astype(jnp.int32))
+        if spec.grammar:
+            out["frontier_moved"] = gm.frontier_decided(c["tokens"], new_tokens, row.immutable,
+                                                        batch.grammar.active & ~done, spec.mask_id)
         if c["record"] is not None:
             out["record"] = lp.merge(c["record"], new_record, keep)
         if chain:
@@ -397,6 +370,8 @@ def denoise(params, kv_pages, batch: DenoiseBatch, state: State, *, spec: StepSp
     record = lp.empty_record(*batch.tokens.shape, spec.top_logprobs) if spec.logprobs else None
     init = dict(kv=kv_pages, tokens=batch.tokens, done=no, fresh=no, state=state, steps=zeros, it=jnp.int32(0),
                 record=record, kv_only=jnp.int32(0))
+    if spec.grammar:
+        init["frontier_moved"] = jnp.bool_(False)
     if chain:
         rows, block = batch.tokens.shape
         init.update({k: getattr(batch, k) for k in _ROW_FIELDS}, chain_used=zeros,

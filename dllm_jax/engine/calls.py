@@ -147,6 +147,8 @@ class Failed:
 
 
 class _Unconstrained:
+    forced = False
+
     @staticmethod
     def fill_mask(out) -> bool:
         return False
@@ -157,8 +159,9 @@ UNCONSTRAINED = _Unconstrained()
 
 def fill_grammar(rows: list[DecodeRow], fields: dict[str, np.ndarray]) -> None:
     """Write the grammar masks of a call into its staging ``fields`` (``grammar.allowed`` [R, G] int32,
-    ``grammar.active`` [R]): each constrained row's frontier mask, computed here, on the host, right before the call
-    (it depends on what the row's last call decided); every other row all-allowed and inactive."""
+    ``grammar.active`` / ``grammar.forced`` [R]): each constrained row's frontier mask, computed here, on the host,
+    right before the call (it depends on what the row's last call decided; a row whose frontier did not move gets
+    its last one again) and whether its frontier is forced; every other row all-allowed and inactive."""
     prefix = row_schema.GRAMMAR_PREFIX
     out = {k[len(prefix):]: v for k, v in fields.items() if k.startswith(prefix)}
     row_schema.reset(out, row_schema.GRAMMAR_INPUTS)
@@ -167,6 +170,7 @@ def fill_grammar(rows: list[DecodeRow], fields: dict[str, np.ndarray]) -> None:
             continue
         try:
             out["active"][i] = r.grammar.fill_mask(out["allowed"][i])
+            out["forced"][i] = r.grammar.forced
         except Exception as e:
             raise RowError(i, e) from e
 

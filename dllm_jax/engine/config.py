@@ -140,6 +140,13 @@ class EngineConfig:
               "streamed requests or ones with stop strings, logprobs or penalties): fewer host round trips, the "
               "same tokens (None: 4, or 0 when fold_commit_forward is on, since a block a request goes on from "
               "needs the forward folding saves; 0: off)", minimum=0, maximum=MAX_CHAIN_BLOCKS, metavar="N")
+    grammar_frontier: str = option(
+        "forced", "structured output, mask-block models: 'forced' decides a constrained row's first undecided "
+                  "position at every step (a token from the grammar's mask: the most tokens per forward measured on "
+                  "the shipped model, one device step per call); 'model' lets the algorithm decide it by its "
+                  "confidence under the mask, in the model's own order, so the device loop goes on until a row "
+                  "decides it (forced once the row runs 3 positions past it or breaks the grammar in a block; "
+                  "dllm_jax/decode/grammar_mask.py)", choices=("forced", "model"))
     host_overlap: bool = option(
         True, "while a denoise call runs on the device, the host hands the previous round's outputs to their "
               "consumers (stream chunks) and admits and prefills new requests (never by retracting a running "

@@ -12,18 +12,26 @@ against the step by ``python -m bench.structured``. It reads JSON schema, regex 
 why one does not compile (the 400's reason).
 
 **How a block decoded out of order stays valid by construction** (a left-to-right engine cannot check a block
-with holes). Per step, a constrained row's *frontier* (its first undecided position; every position before it is
-decided and checked) takes its token from the grammar's mask given the decided prefix (the device applies the
-packed bitmask, :mod:`dllm_jax.decode.grammar_mask`), and the algorithm must commit it. Other positions commit
-as the algorithm decides; after the call the host checks the decided run from the frontier with
-``validate_tokens`` and takes back its first invalid token and everything after it
+with holes). A constrained row's *frontier* (its first undecided position; every position before it is decided
+and checked) takes its token from the grammar's mask given the decided prefix (the device applies the packed
+bitmask, :mod:`dllm_jax.decode.grammar_mask`). With ``EngineConfig.grammar_frontier`` "forced" (the default) the
+algorithm decides it at every step, so each step advances it by a token from the mask and the call ends after
+that step. With "model" its confidence is that of the masked distribution and the algorithm decides it as it
+decides any position, in its own order; the device loop goes on until some row decides its frontier (the mask
+holds until then), and the frontier is forced once the row decided 3 positions past it, or for the rest of the
+block once the model wrote a token the grammar rejected. On the shipped model, which decodes out of order and
+knows no JSON, "forced" gives the most tokens per forward and the loop under "model" rarely runs past a step
+(``python -m bench.structured --grammar-frontier model``; bench/RESULTS.md).
+Other positions commit as the algorithm decides; after the call the host checks the decided run from the frontier
+with ``validate_tokens`` and takes back its first invalid token and everything after it
 (:meth:`RowGrammar.check_block`). A token decided past an undecided position stays *provisional*: unchecked, the
 block not committed, until the run reaches and checks it (then it stays or goes back). So every committed token is
-a valid continuation, the frontier's token always is (each step makes progress), EOS commits only where the grammar
-accepts, and the mask id is never a candidate. Keeping provisional tokens keeps the model's parallel, out-of-order
-commits wherever they turn out valid (tokens per forward under a constraint the model's own text meets:
-``python -m bench.structured``). Text the grammar forces (a schema's keys and punctuation) is
-written into the block by the host (llguidance's fast-forward tokens) without waiting for the model. A DINGO-style
+a valid continuation, the frontier's token always is, EOS commits only where the grammar accepts, and the mask id
+is never a candidate. Keeping provisional tokens keeps the model's parallel, out-of-order commits wherever they
+turn out valid (tokens per forward under a constraint the model's own text meets: ``python -m bench.structured``).
+Text the grammar forces (a schema's keys and punctuation) is written into the block by the host (llguidance's
+fast-forward tokens) without waiting for the model. A row whose frontier did not move in a call gets its last mask
+again (the matcher state unchanged), not recomputed. A DINGO-style
 automaton over the whole block would constrain every position of the block in one step, but only for regular
 languages (no EBNF, no recursive schemas) and with a per-step dynamic program over ``[B, states, V]`` on the
 device; the frontier rule covers every grammar llguidance reads, keeps parallel commits that turn out valid, and
@@ -82,11 +90,13 @@ class GrammarCompiler:
     model), the bitmask width, and :meth:`compile` (a ValueError naming the field and llguidance's reason for a
     grammar it cannot use)."""
 
-    def __init__(self, tokenizer, *, vocab_size: int, eos_token_ids: tuple[int, ...], mask_id: int | None):
+    def __init__(self, tokenizer, *, vocab_size: int, eos_token_ids: tuple[int, ...], mask_id: int | None,
+                 forced: bool = True):
         import llguidance
         import llguidance.hf
 
         self.vocab_size = vocab_size
+        self.forced = forced  # (EngineConfig.grammar_frontier: every row's frontier forced at every step)
         self.words = (vocab_size + 31) // 32
         self.mask_id = mask_id
         self.eos_token_ids = tuple(eos_token_ids)
@@ -122,6 +132,17 @@ class RowGrammar:
         self.block_run: list[int] = []
         self.stopped = False  # the grammar consumed EOS: the rest of the answer is cut at it
         self.mask_seconds = 0.0  # host time spent in masks and checks (bench.structured reads it)
+        self.masks_computed = self.masks_reused = 0
+        # The last mask and the matcher state it was computed in (``_state``: bumped at every consume / rollback):
+        # a row whose frontier did not move in a call (the device loop stopped for another row's) gets the same
+        # mask again without computing it.
+        self._state = 0
+        # Whether the device decides the frontier in the next step whatever its confidence (see
+        # grammar_mask.py): always with grammar_frontier "forced"; else from a check that took back a token the
+        # model decided (its text breaks the grammar) to the end of the block. Until then the algorithm decides
+        # the frontier by its confidence under the mask, in its own order, and the device loop goes on.
+        self.forced = compiler.forced
+        self._mask: tuple[int, np.ndarray] | None = None
 
     # -- blocks ---------------------------------------------------------------------------------
     def new_block(self) -> None:
@@ -129,10 +150,13 @@ class RowGrammar:
         if self.block_run:
             self.matcher.rollback(len(self.block_run))
             self.block_run = []
+            self._state += 1
         self.stopped = False  # (committed outputs hold no EOS: it would have ended the request)
+        self.forced = self.compiler.forced
 
     def block_committed(self) -> None:
         self.block_run = []
+        self.forced = self.compiler.forced
 
     def check_block(self, tokens: np.ndarray, immutable: np.ndarray, mask_id: int) -> tuple[np.ndarray, bool]:
         """``tokens``: the row's block after a call. Returns (the block with the decided run from its start checked:
@@ -151,6 +175,7 @@ class RowGrammar:
                 break
             common += 1
         if common < len(self.block_run):  # a checked token was rewritten: undo from there
+            self._state += 1
             self.matcher.rollback(len(self.block_run) - common)
             self.block_run = self.block_run[:common]
             self.stopped = self._ate_eos()
@@ -161,10 +186,12 @@ class RowGrammar:
             run = gen[at:at + (int(holes[0]) if holes.size else gen.size - at)].tolist()
             valid = self.matcher.validate_tokens(run) if run else 0
             if valid:
+                self._state += 1
                 assert self.matcher.consume_tokens(run[:valid]), self.matcher.get_error()
                 self.block_run += run[:valid]
             # (validate_tokens counts no EOS once the grammar is complete: an EOS where it accepts is taken here)
             if valid < len(run) and run[valid] in self.compiler.eos_token_ids and self.matcher.is_accepting():
+                self._state += 1
                 assert self.matcher.consume_token(run[valid]), self.matcher.get_error()
                 self.block_run.append(run[valid])
                 self.stopped = True
@@ -174,25 +201,27 @@ class RowGrammar:
                 taken_back = True
             if not self._fast_forward(gen, len(self.block_run)):
                 break  # (else: check what follows the forced text)
+        self.forced |= taken_back
         self.mask_seconds += time.perf_counter() - t0
         return tokens, taken_back
 
     def _ate_eos(self) -> bool:
         return bool(self.block_run) and self.block_run[-1] in self.compiler.eos_token_ids
 
-    def _fast_forward(self, gen: np.ndarray, at: int) -> bool:
+    def _fast_forward(self, gen: np.ndarray, at: int) -> int:
         """Write the tokens the grammar forces from ``at`` (a schema's fixed text) into the block (over masks or
-        provisional tokens). Returns whether it wrote any."""
-        wrote = False
+        provisional tokens). Returns how many it wrote."""
+        wrote = 0
         while at < gen.size:
             forced = self.matcher.compute_ff_tokens()[:gen.size - at]
             if not forced:
                 break
+            self._state += 1
             assert self.matcher.consume_tokens(forced), self.matcher.get_error()
             gen[at:at + len(forced)] = forced
             self.block_run += forced
             at += len(forced)
-            wrote = True
+            wrote += len(forced)
         return wrote
 
     # -- canvases (DiffusionGemma) ----------------------------------------------------------------
@@ -206,6 +235,7 @@ class RowGrammar:
 
         t0 = time.perf_counter()
         m = self.matcher
+        self._state += 1
         valid = m.validate_tokens(canvas)
         if valid:
             assert m.consume_tokens(canvas[:valid]), m.get_error()
@@ -221,6 +251,7 @@ class RowGrammar:
                 if pick is None:
                     pick = self._any_allowed()
             assert m.consume_token(pick), m.get_error()
+            self._state += 1
             out.append(pick)
         self.mask_seconds += time.perf_counter() - t0
         return out
@@ -245,9 +276,15 @@ class RowGrammar:
         if self.stopped:
             return False
         t0 = time.perf_counter()
-        self.matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
-        if self.matcher.is_error():
-            raise RuntimeError(f"grammar: {self.matcher.get_error()}")
-        out &= self.compiler.allowed_ever
+        if self._mask is not None and self._mask[0] == self._state:
+            out[:] = self._mask[1]
+            self.masks_reused += 1
+        else:
+            self.matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+            if self.matcher.is_error():
+                raise RuntimeError(f"grammar: {self.matcher.get_error()}")
+            out &= self.compiler.allowed_ever
+            self._mask = (self._state, out.copy())
+            self.masks_computed += 1
         self.mask_seconds += time.perf_counter() - t0
         return True

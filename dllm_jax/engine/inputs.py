@@ -85,7 +85,8 @@ class RequestInputs:
         if compiler is None:
             compiler = self._grammar_compiler = GrammarCompiler(
                 self.tokenizer, vocab_size=self.config.vocab_size, eos_token_ids=tuple(self.config.eos_token_ids),
-                mask_id=self.config.mask_token_id)
+                mask_id=self.config.mask_token_id,
+                forced=getattr(getattr(self, "engine_config", None), "grammar_frontier", "forced") == "forced")
         return compiler.compile(GrammarSpec(name, text, f"{field_prefix}.{name}"))
 
     def _sampling_params(self, sampling_params) -> SamplingParams:

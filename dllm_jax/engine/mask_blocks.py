@@ -230,8 +230,10 @@ class MaskBlocks(MaskCommit):
         loop_cap = self._loop_cap(reqs, refresh)
         # FDFO chains calls of up to CHAIN_MAX_ROWS requests; the synchronous schedule a request running alone (its
         # rows stay in step: a row that goes on while another decodes would leave the batch's block behind)
+        # (not beside a constrained row: its call ends when it decides its frontier, and the grammar step with
+        # chain tables is one more variant to compile)
         chains = (loop_cap > 1 and len(reqs) <= (1 if self.runner.loop else CHAIN_MAX_ROWS)
-                  and self.runner.can_chain(len(reqs) + len(refresh)))
+                  and self.runner.can_chain(len(reqs) + len(refresh)) and all(r.grammar is None for r in reqs))
         chain_pages = self._reserve_chain_pages(reqs) if chains else {}
         if chain_pages and self.runner.compiler.compiles_in_background(self._call_key(reqs, refresh, chain_pages)):
             for pages in chain_pages.values():  # the wider page table chaining needs is not compiled: no chaining
@@ -294,9 +296,9 @@ class MaskBlocks(MaskCommit):
         """FDFO: how many steps the call may run on the device before the batch comes back (it stops anyway when
         the first row is done). One when the batch should change sooner: a waiting request could join now, a
         running one is still prefilling, a row streams its provisional block after every step, or refresh rows
-        ride along (they would be recomputed at every further step), or a row is constrained (its next mask
-        depends on this step's tokens)."""
-        if (refresh or any(r.provisional or r.grammar is not None for r in reqs)
+        ride along (they would be recomputed at every further step). A constrained row does not cut it: the device
+        stops after the step in which a constrained row decides its frontier (its mask holds until then)."""
+        if (refresh or any(r.provisional for r in reqs)
                 or (self.s.waiting and len(self.s.running) < self.s.max_running)
                 or any(r.phase is Phase.PREFILL for r in self.s.running)):
             return 1

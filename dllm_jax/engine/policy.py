@@ -10,7 +10,8 @@ The two policies: :class:`~dllm_jax.engine.mask_blocks.MaskBlocks` (SDAR / LLaDA
 
 * ``attach(scheduler)`` -- once: the policy keeps the scheduler (``running``, ``waiting``, ``stats``, and the
   life-cycle calls ``finish``, ``fail``, ``retract``, ``emit``, ``append_outputs``);
-* ``start_admission()`` then ``admit(req) -> Admission`` per waiting request, in order (the scheduler moves it);
+* ``start_admission()`` then ``admit(req) -> Admission`` per waiting request, in order (the scheduler moves it),
+  and ``cached_len(req)`` once a request is first admitted (its tokens matched in the cache: ``cached_tokens``);
 * ``plan_prefill(reqs, *, retract) -> call | None`` (requests whose real tokens still need encoding; ``retract``
   False while another call runs: only free pages and evictable cache) and ``plan_denoise(reqs) -> call | None``;
   ``idle()`` when decoding requests exist but no call could be planned (a background compile runs);

@@ -134,23 +134,25 @@ class RenoiseRunner:
         zeros = jnp.zeros((max_rows,), jnp.uint32)
         state = renoise.initial_state(cfg, rcfg, zeros, zeros.astype(jnp.int32), self.dtype)._replace(
             finished=jnp.ones((max_rows,), bool))
-        state = jax.tree.map(lambda a: jnp.array(a, copy=True), state)  # own buffers: the state is donated
         encode_kw, denoise_kw = {}, {}
-        if mesh is None:
-            self.pool, self.state = new_pool(), state
-        else:
+        # fresh pool and state (also after a failed call took the donated ones with it: pool_lost)
+        self._fresh_pool = new_pool
+        self._fresh_state = lambda: jax.tree.map(lambda a: jnp.array(a, copy=True), state)  # own buffers
+        if mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec
 
             from dllm_jax.sharding import layer_pool_shardings, shard_params
 
             self.params = shard_params(params, cfg, mesh)
             pool_shardings = layer_pool_shardings(jax.eval_shape(new_pool), mesh)
-            self.pool = jax.jit(new_pool, out_shardings=pool_shardings)()  # each device allocates its shard only
+            self._fresh_pool = jax.jit(new_pool, out_shardings=pool_shardings)  # each device allocates its shard
             replicated = NamedSharding(mesh, PartitionSpec())
-            self.state = jax.device_put(state, replicated)
+            copy = self._fresh_state
+            self._fresh_state = lambda: jax.device_put(copy(), replicated)
             # fixed output shardings: the donated pool and state come back as they went in (no re-layout, no
             # recompile), and every process can read the replicated results
             encode_kw, denoise_kw = dict(out_shardings=pool_shardings), dict(out_shardings=replicated)
+        self.pool, self.state = self._fresh_pool(), self._fresh_state()  # own buffers: both are donated
         self.calls = {"encode": 0, "denoise": 0, "steps": 0}
         self._encode = jax.jit(functools.partial(gemma.encode_chunk, cfg=cfg), donate_argnames="kv_pages",
                                **encode_kw)
@@ -290,7 +292,16 @@ class RenoiseRunner:
         return steps
 
     def pool_lost(self) -> bool:
-        return any(a.is_deleted() for layer in self.pool for a in layer)
+        """After a device call raised: whether it took the donated KV pool (an encode) or per-slot state (a
+        denoise call) with it. Then fresh ones replace them, so the engine serves on; every running request's K/V
+        or canvas is gone (the scheduler fails them and empties the prefix index)."""
+        pool = any(a.is_deleted() for a in jax.tree.leaves(self.pool))
+        state = any(a.is_deleted() for a in jax.tree.leaves(self.state))
+        if pool:
+            self.pool = self._fresh_pool()
+        if state:
+            self.state = self._fresh_state()
+        return pool or state
 
     def run(self, call):
         return self.collect(self.dispatch(call))
