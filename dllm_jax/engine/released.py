@@ -68,6 +68,7 @@ def resume_runner(runner, tags) -> None:
     kept = runner.released
     if "weights" in tags and "weights" in kept:
         runner.params = jax.tree.map(_Kept.restore, kept["weights"], is_leaf=_is_kept)
+        runner.compute.view(runner.params)  # the [in, out] copies back too: resume restores what release freed
         del kept["weights"]
     if "kv_cache" in tags and "kv_cache" in kept:
         runner.kv_pages = jax.tree.map(_Kept.zeros, kept["kv_cache"], is_leaf=_is_kept)

@@ -127,6 +127,10 @@ class WeightUpdates:
                 log.error("a weight update failed after its checks: some leaves are new (weight_version %s)",
                           self.weight_version)
                 raise
+            finally:
+                # the forwards' [in, out] copies follow now rather than at the next call, which would hold the old
+                # leaves and their copies until then (dllm_jax.model.compute_layout)
+                self.runner.compute.view(self.runner.params)
             if flush_cache:
                 self.scheduler.policy.reset_cache()
             self._set_weight_version(weight_version if weight_version is not None else self.weight_version)
