@@ -71,6 +71,7 @@ def engines(request, model_dir):
     on.shutdown()
 
 
+@pytest.mark.slow  # ~10 s on 2 cores: the reference's own check (the other tests compare with it alone)
 def test_cache_off_is_batch_independent(engines):
     """The reference itself: in this regime the cache-off engine answers alike alone and batched (a denoise call
     of one row and of every slot: a row's tokens do not depend on the rows computed with it)."""
@@ -134,6 +135,8 @@ def test_sliding_pages_evicted_and_given_back(engines):
     on.scheduler.check_pages()
 
 
+@pytest.mark.slow  # ~18 s on 2 cores (a third engine compiles its own pool's calls); the main suite's retraction
+# of DiffusionGemma requests: tests/test_renoise_engine.py::test_retraction_keeps_the_answers
 def test_forced_retraction_with_the_cache(model_dir, engines):
     schedule, _, _, want = engines
     small = _engine(model_dir, schedule=schedule, num_kv_pages=8)
