@@ -187,12 +187,12 @@ class RowGrammar:
             valid = self.matcher.validate_tokens(run) if run else 0
             if valid:
                 self._state += 1
-                assert self.matcher.consume_tokens(run[:valid]), self.matcher.get_error()
+                self._advanced(self.matcher.consume_tokens(run[:valid]))
                 self.block_run += run[:valid]
             # (validate_tokens counts no EOS once the grammar is complete: an EOS where it accepts is taken here)
             if valid < len(run) and run[valid] in self.compiler.eos_token_ids and self.matcher.is_accepting():
                 self._state += 1
-                assert self.matcher.consume_token(run[valid]), self.matcher.get_error()
+                self._advanced(self.matcher.consume_token(run[valid]))
                 self.block_run.append(run[valid])
                 self.stopped = True
                 break
@@ -204,6 +204,12 @@ class RowGrammar:
         self.forced |= taken_back
         self.mask_seconds += time.perf_counter() - t0
         return tokens, taken_back
+
+    def _advanced(self, ok: bool) -> None:
+        """The matcher's answer to consuming tokens already checked to be allowed: a refusal is a bug, raised as one
+        (not an ``assert`` around the call, which ``python -O`` would drop with the call)."""
+        if not ok:
+            raise RuntimeError(f"grammar: {self.matcher.get_error()}")
 
     def _ate_eos(self) -> bool:
         return bool(self.block_run) and self.block_run[-1] in self.compiler.eos_token_ids
@@ -217,7 +223,7 @@ class RowGrammar:
             if not forced:
                 break
             self._state += 1
-            assert self.matcher.consume_tokens(forced), self.matcher.get_error()
+            self._advanced(self.matcher.consume_tokens(forced))
             gen[at:at + len(forced)] = forced
             self.block_run += forced
             at += len(forced)
@@ -238,7 +244,7 @@ class RowGrammar:
         self._state += 1
         valid = m.validate_tokens(canvas)
         if valid:
-            assert m.consume_tokens(canvas[:valid]), m.get_error()
+            self._advanced(m.consume_tokens(canvas[:valid]))
         out = list(canvas[:valid])
         if valid < len(canvas):
             eos = self.compiler.eos_token_ids
@@ -250,7 +256,7 @@ class RowGrammar:
                     (t in eos and m.is_accepting()) or (t not in eos and m.validate_tokens([t]) == 1))), None)
                 if pick is None:
                     pick = self._any_allowed()
-            assert m.consume_token(pick), m.get_error()
+            self._advanced(m.consume_token(pick))
             self._state += 1
             out.append(pick)
         self.mask_seconds += time.perf_counter() - t0

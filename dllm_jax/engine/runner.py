@@ -152,7 +152,7 @@ class ModelRunner:
         chain = shape[0] in self.chain_rows
         layout = self._layout_of(shape[1], variant, chain)
         rows = arrays["rows"]
-        sampling = bool(np.any((layout.view(rows, "temperature") > 0) & (layout.view(rows, "top_k") != 1)))
+        sampling = bool(np.any(row_schema.is_sampled(layout.view(rows, "temperature"), layout.view(rows, "top_k"))))
         spec = self.denoise_spec(sampling, variant, chain)
         args = (self.compute.view(self.params), self.kv_pages, rows)
         self.kv_pages, *result = denoise_packed(*args, spec=spec, layout=layout)
